@@ -1,0 +1,109 @@
+"""The MoE layer of paper 000, eq. (2), for any routing tensors and any experts.
+
+    MoE(X)[t] = sum_{r, c} combine[t, r, c] * expert_r( sum_s dispatch[s, r, c] * X[s] )
+
+:func:`moe` evaluates it in one of two ways that the tests prove equal:
+
+* ``path="einsum"`` — the formula as written: two one-hot (or soft) tensor products,
+  O(T * E * C * D) each. Works for every routing, soft or sparse.
+* ``path="gather"`` — for sparse routings only: every slot holds at most one token, so
+  slot inputs are a gather of token rows and outputs a scatter-add, O(E * C * D).
+
+``path="auto"`` picks gather for sparse routings and einsum for Soft MoE.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mini_moe.routing import Routing
+
+Array = Any
+
+PATHS = ("auto", "einsum", "gather")
+
+
+def moe(x: Array, routing: Routing, experts: Callable[[Array], Array], *, path: str = "auto") -> Array:
+    """Apply eq. (2).
+
+    Args:
+      x: tokens ``[..., T, D]`` (leading axes: groups).
+      routing: :class:`~mini_moe.routing.Routing` with tensors ``[..., T, E, C]``.
+      experts: function from expert inputs ``[E, N, D]`` to outputs ``[E, N, D_out]``
+        (row e goes through expert e; N = C times the number of groups).
+      path: ``"einsum"``, ``"gather"`` or ``"auto"`` (see module docstring).
+
+    Returns:
+      ``[..., T, D_out]``.
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}.")
+    x_shape, r_shape = np.shape(x), np.shape(routing.dispatch)
+    if len(x_shape) < 2 or len(r_shape) != len(x_shape) + 1 or r_shape[:-2] != x_shape[:-1]:
+        raise ValueError(
+            f"routing tensors must have shape [..., T, E, C] matching x [..., T, D] = {x_shape}; "
+            f"got dispatch of shape {r_shape}."
+        )
+    if path == "auto":
+        path = "gather" if routing.sparse else "einsum"
+    if path == "gather" and not routing.sparse:
+        raise ValueError("path='gather' needs a sparse routing (one token per slot); use 'einsum'.")
+
+    lead = x_shape[:-2]
+    num_experts, cap = r_shape[-2:]
+    if path == "einsum":
+        slots = jnp.einsum("...tec,...td->...ecd", routing.dispatch.astype(x.dtype), x)
+    else:
+        token = jnp.argmax(routing.dispatch, axis=-3)  # [..., E, C] token in each slot
+        filled = jnp.take_along_axis(routing.dispatch, token[..., None, :, :], axis=-3)[..., 0, :, :]
+        slots = jnp.take_along_axis(x, token.reshape(lead + (-1, 1)), axis=-2)  # [..., E*C, D]
+        slots = slots.reshape(lead + (num_experts, cap, -1)) * filled[..., None].astype(x.dtype)
+
+    # [..., E, C, D] -> [E, N, D]: every expert sees its slots of every group at once.
+    expert_in = jnp.moveaxis(slots, -3, 0).reshape(num_experts, -1, slots.shape[-1])
+    expert_out = experts(expert_in)
+    out = jnp.moveaxis(expert_out.reshape((num_experts,) + lead + (cap, -1)), 0, -3)
+
+    if path == "einsum":
+        return jnp.einsum("...tec,...ecd->...td", routing.combine.astype(out.dtype), out)
+    weight = jnp.take_along_axis(routing.combine, token[..., None, :, :], axis=-3)[..., 0, :, :]
+    contrib = (weight[..., None].astype(out.dtype) * out).reshape(lead + (num_experts * cap, -1))
+    result = jnp.zeros(lead + (x_shape[-2], out.shape[-1]), out.dtype)
+    return _scatter_add_rows(result, token.reshape(lead + (-1,)), contrib)
+
+
+def _scatter_add_rows(base, index, rows):
+    """base[..., index[..., j], :] += rows[..., j, :] over any leading axes."""
+    flat_base = base.reshape((-1,) + base.shape[-2:])
+    flat_index = index.reshape((-1, index.shape[-1]))
+    flat_rows = rows.reshape((-1,) + rows.shape[-2:])
+    added = jax.vmap(lambda b, i, r: b.at[i].add(r))(flat_base, flat_index, flat_rows)
+    return added.reshape(base.shape)
+
+
+class MlpExperts(nnx.Module):
+    """E independent two-layer MLPs (GELU), applied to ``[E, N, D]`` -> ``[E, N, D_out]``.
+
+    Weights are stacked along a leading expert axis (``w1: [E, D, H]``, ``w2: [E, H,
+    D_out]``), so all experts run as one batched matmul and the expert axis is the one
+    to shard across devices.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, out_dim: int | None = None, *, rngs: nnx.Rngs):
+        out_dim = dim if out_dim is None else out_dim
+        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        self.w1 = nnx.Param(init(rngs.params(), (num_experts, dim, hidden)))
+        self.b1 = nnx.Param(jnp.zeros((num_experts, 1, hidden)))
+        self.w2 = nnx.Param(init(rngs.params(), (num_experts, hidden, out_dim)))
+        self.b2 = nnx.Param(jnp.zeros((num_experts, 1, out_dim)))
+
+    def __call__(self, x: Array) -> Array:
+        if x.ndim != 3 or x.shape[0] != self.w1.shape[0] or x.shape[-1] != self.w1.shape[1]:
+            raise ValueError(f"experts expect inputs [E={self.w1.shape[0]}, N, D={self.w1.shape[1]}], got {x.shape}.")
+        h = jax.nn.gelu(jnp.einsum("end,edh->enh", x, self.w1[...]) + self.b1[...])
+        return jnp.einsum("enh,ehd->end", h, self.w2[...]) + self.b2[...]

@@ -1,0 +1,287 @@
+"""Allocation: turning token/expert scores into routing tensors.
+
+Every router of the book ends here. Given an affinity matrix ``scores`` of shape
+``[..., T, E]`` (T tokens of one group, E experts; any leading group/batch axes), the
+functions below return a :class:`Routing` with a dispatch and a combine tensor of shape
+``[..., T, E, C]`` for the MoE layer of paper 000, eq. (2):
+
+    MoE(X)[t] = sum_{r, c} combine[t, r, c] * MLP_r( sum_s dispatch[s, r, c] * X[s] )
+
+* :func:`token_choice` is Algorithm 1 (each token picks its top-k experts while the
+  expert's buffer of capacity C has room), optionally with Batch Priority Routing.
+* :func:`expert_choice` is Algorithm 2 (each expert picks its top-C tokens).
+* :func:`soft_routing` is Soft MoE's pair of softmaxes (paper 002, eq. 1-2).
+
+:func:`token_choice_loop` and :func:`expert_choice_loop` are the same algorithms written
+as the plain loops printed in the paper (NumPy, one group). They are slow on purpose: the
+book shows them and the tests prove the vectorised versions equal them.
+
+``combine_scores`` gives the "softmax combine" routers (paper 000, Section 3.4): positions
+are chosen from ``scores`` (e.g. an optimal-transport plan), but the combine weights at
+the chosen positions are read from ``combine_scores`` (e.g. the softmax).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any
+
+
+@flax.struct.dataclass
+class Routing:
+    """Routing tensors of paper 000, eq. (5).
+
+    Attributes:
+      dispatch: ``[..., T, E, C]``; ``dispatch[t, r, c]`` is how much of token t goes to
+        slot c of expert r (0/1 for sparse routers).
+      combine: ``[..., T, E, C]``; weight of the output of slot (r, c) in token t's output.
+      sparse: static flag: every slot holds at most one token and ``combine`` is zero
+        wherever ``dispatch`` is. Sparse routings may use the gather/scatter path of
+        :func:`mini_moe.layer.moe`.
+    """
+
+    dispatch: Array
+    combine: Array
+    sparse: bool = flax.struct.field(pytree_node=False, default=True)
+
+
+def capacity(num_tokens: int, num_experts: int, factor: float) -> int:
+    """Buffer capacity ``C = round(factor * T / E)``, never below 1 (paper 000, Sec. 3.1).
+
+    ``factor`` is k for token choice and the capacity factor c for expert choice and for
+    Soft MoE's slots per expert. Halves round up (``round(2.5) == 3``), unlike Python's
+    banker's rounding.
+    """
+    _check_positive_int("num_tokens", num_tokens)
+    _check_positive_int("num_experts", num_experts)
+    if not factor > 0:
+        raise ValueError(f"factor must be > 0 (k or the capacity factor c), got {factor!r}.")
+    return max(1, int(math.floor(factor * num_tokens / num_experts + 0.5)))
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+
+
+def _check_scores(scores, combine_scores, min_rank: int = 2, name: str = "scores"):
+    shape = np.shape(scores)
+    if len(shape) < min_rank:
+        raise ValueError(
+            f"{name} must have shape [..., T, E] (rank >= {min_rank}), got shape {shape}."
+        )
+    if combine_scores is not None and np.shape(combine_scores) != shape:
+        raise ValueError(
+            f"combine_scores must have the same shape as {name} {shape}, "
+            f"got {np.shape(combine_scores)}."
+        )
+    return shape
+
+
+def _combine(dispatch, scores, combine_scores):
+    weights = scores if combine_scores is None else combine_scores
+    return dispatch * weights[..., None].astype(dispatch.dtype)
+
+
+# --------------------------------------------------------------------- token choice
+
+
+def token_choice(
+    scores: Array,
+    *,
+    capacity: int,
+    k: int = 1,
+    batch_priority: bool = False,
+    combine_scores: Array | None = None,
+) -> Routing:
+    """Token Choice allocation (paper 000, Algorithm 1), vectorised.
+
+    Each token picks its k highest-scoring experts. All first choices are placed before
+    any second choice, and so on. Within round i, tokens are visited in their order in
+    the group, or, with ``batch_priority=True``, by decreasing top-1 score (Batch
+    Priority Routing, Riquelme et al. 2021; stable sort, the same order in every round).
+    A token's buffer position at an expert is the number of tokens that went there
+    before it; a pick at position >= C is dropped and not re-routed.
+
+    Args:
+      scores: ``[..., T, E]`` affinities (softmax probabilities, a transport plan, ...).
+      capacity: C, the buffer size of each expert (>= 1).
+      k: experts per token (1 <= k <= E).
+      batch_priority: visit tokens by decreasing top-1 score instead of position.
+      combine_scores: optional ``[..., T, E]``; combine weights are read from here at the
+        chosen places (default: ``scores``). Raw values, not renormalised over the k picks.
+
+    Returns:
+      :class:`Routing` with ``dispatch`` (0/1) and ``combine`` of shape ``[..., T, E, C]``.
+    """
+    shape = _check_scores(scores, combine_scores)
+    num_tokens, num_experts = shape[-2:]
+    _check_positive_int("capacity", capacity)
+    _check_positive_int("k", k)
+    if k > num_experts:
+        raise ValueError(f"k must be <= the number of experts E={num_experts}, got k={k}.")
+    scores = jnp.asarray(scores)
+
+    if batch_priority:
+        order = jnp.argsort(-jnp.max(scores, axis=-1), axis=-1, stable=True)  # [..., T]
+        inverse = jnp.argsort(order, axis=-1)
+        sorted_scores = jnp.take_along_axis(scores, order[..., None], axis=-2)
+        dispatch = _token_choice_dispatch(sorted_scores, capacity, k)
+        dispatch = jnp.take_along_axis(dispatch, inverse[..., None, None], axis=-3)
+    else:
+        dispatch = _token_choice_dispatch(scores, capacity, k)
+    return Routing(dispatch, _combine(dispatch, scores, combine_scores), sparse=True)
+
+
+def _token_choice_dispatch(scores, capacity, k):
+    """Dispatch of Algorithm 1 for tokens visited in their given order."""
+    num_tokens, num_experts = scores.shape[-2:]
+    _, experts = jax.lax.top_k(scores, k)  # [..., T, k]; ties -> lower expert index
+    picks = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [..., T, k, E]
+    # Round-major order: all first choices, then all second choices, ...
+    picks = jnp.swapaxes(picks, -3, -2)  # [..., k, T, E]
+    flat = picks.reshape(picks.shape[:-3] + (k * num_tokens, num_experts))
+    position = jnp.cumsum(flat, axis=-2) - flat  # tokens already sent to that expert
+    kept = flat * (position < capacity)
+    slot = jax.nn.one_hot(position, capacity, dtype=scores.dtype)  # [..., kT, E, C]
+    dispatch = kept[..., None].astype(scores.dtype) * slot
+    dispatch = dispatch.reshape(picks.shape[:-3] + (k, num_tokens, num_experts, capacity))
+    return dispatch.sum(axis=-4)  # a token never picks the same expert twice
+
+
+def token_choice_loop(scores, *, capacity, k=1, batch_priority=False, combine_scores=None):
+    """Algorithm 1 of paper 000 as printed: plain loops over one group ``[T, E]``.
+
+    Same semantics as :func:`token_choice` (which the tests check it against); returns
+    NumPy arrays ``(dispatch, combine)`` of shape ``[T, E, C]``.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 2:
+        raise ValueError(f"scores must have shape [T, E], got {scores.shape}.")
+    weights = scores if combine_scores is None else np.asarray(combine_scores, np.float64)
+    num_tokens, num_experts = scores.shape
+    dispatch = np.zeros((num_tokens, num_experts, capacity))
+    combine = np.zeros((num_tokens, num_experts, capacity))
+    if batch_priority:
+        order = np.argsort(-scores.max(axis=1), kind="stable")
+    else:
+        order = np.arange(num_tokens)
+    for i in range(k):  # the i-th choice of every token ...
+        for t in order:  # ... before anybody's (i+1)-th choice
+            r = np.argsort(-scores[t], kind="stable")[i]  # index of the i-th largest score
+            c = int(np.count_nonzero(dispatch[:, r, :]))  # tokens already at expert r
+            if c < capacity:
+                dispatch[t, r, c] = 1.0
+                combine[t, r, c] = weights[t, r]
+    return dispatch, combine
+
+
+# -------------------------------------------------------------------- expert choice
+
+
+def expert_choice(scores: Array, *, capacity: int, combine_scores: Array | None = None) -> Routing:
+    """Expert Choice allocation (paper 000, Algorithm 2; Zhou et al. 2022), vectorised.
+
+    Expert r fills its C slots with the C tokens of highest ``scores[:, r]``, in
+    decreasing order (ties: lower token index first). Every buffer is full; a token may
+    be picked by several experts or by none.
+
+    Args:
+      scores: ``[..., T, E]`` affinities.
+      capacity: C, tokens per expert (1 <= C <= T).
+      combine_scores: optional ``[..., T, E]`` combine weights (default: ``scores``).
+
+    Returns:
+      :class:`Routing` with tensors of shape ``[..., T, E, C]``.
+    """
+    shape = _check_scores(scores, combine_scores)
+    num_tokens = shape[-2]
+    _check_positive_int("capacity", capacity)
+    if capacity > num_tokens:
+        raise ValueError(
+            f"capacity must be <= the number of tokens T={num_tokens} for expert choice, "
+            f"got capacity={capacity}."
+        )
+    scores = jnp.asarray(scores)
+    _, tokens = jax.lax.top_k(jnp.swapaxes(scores, -1, -2), capacity)  # [..., E, C]
+    dispatch = jax.nn.one_hot(tokens, num_tokens, dtype=scores.dtype)  # [..., E, C, T]
+    dispatch = jnp.moveaxis(dispatch, -1, -3)  # [..., T, E, C]
+    return Routing(dispatch, _combine(dispatch, scores, combine_scores), sparse=True)
+
+
+def expert_choice_loop(scores, *, capacity, combine_scores=None):
+    """Algorithm 2 of paper 000 as printed: loops over experts and buffer slots.
+
+    One group ``[T, E]``; returns NumPy ``(dispatch, combine)`` of shape ``[T, E, C]``.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 2:
+        raise ValueError(f"scores must have shape [T, E], got {scores.shape}.")
+    weights = scores if combine_scores is None else np.asarray(combine_scores, np.float64)
+    num_tokens, num_experts = scores.shape
+    dispatch = np.zeros((num_tokens, num_experts, capacity))
+    combine = np.zeros((num_tokens, num_experts, capacity))
+    for r in range(num_experts):
+        ranking = np.argsort(-scores[:, r], kind="stable")
+        for c in range(capacity):
+            t = ranking[c]  # the token with the c-th largest score for expert r
+            dispatch[t, r, c] = 1.0
+            combine[t, r, c] = weights[t, r]
+    return dispatch, combine
+
+
+# ------------------------------------------------------------------------- soft MoE
+
+
+def soft_routing(logits: Array) -> Routing:
+    """Soft MoE routing tensors (paper 002, eq. 1-2; paper 000, eq. 11).
+
+    Args:
+      logits: ``[..., T, E, S]`` token/slot logits (S slots per expert), for one image.
+
+    Returns:
+      :class:`Routing` (``sparse=False``): ``dispatch`` is a softmax over the tokens
+      (each slot is a convex combination of tokens) and ``combine`` a softmax over all
+      (expert, slot) pairs jointly (each output is a convex combination of slot outputs).
+    """
+    shape = np.shape(logits)
+    if len(shape) < 3:
+        raise ValueError(f"logits must have shape [..., T, E, S], got shape {shape}.")
+    logits = jnp.asarray(logits)
+    dispatch = jax.nn.softmax(logits, axis=-3)
+    flat = logits.reshape(shape[:-2] + (shape[-2] * shape[-1],))
+    combine = jax.nn.softmax(flat, axis=-1).reshape(shape)
+    return Routing(dispatch, combine, sparse=False)
+
+
+# ------------------------------------------------------------------------- metrics
+
+
+def routing_metrics(routing: Routing) -> dict[str, Array]:
+    """Summaries of a routing, averaged over leading axes.
+
+    Returns a dict with
+      * ``dropped``: fraction of tokens that reach no expert slot;
+      * ``experts_per_token``: mean number of experts a token reaches;
+      * ``tokens_per_expert``: ``[E]``, mean number of (token, slot) pairs per expert;
+      * ``buffer_fill``: fraction of the E*C slots that hold any token.
+    """
+    nonzero = routing.dispatch > 0  # [..., T, E, C]
+    reached = nonzero.any(axis=-1)  # [..., T, E]
+    lead = tuple(range(nonzero.ndim - 3))
+    return {
+        "dropped": jnp.mean(~reached.any(axis=-1)),
+        "experts_per_token": jnp.mean(reached.sum(axis=-1)),
+        "tokens_per_expert": jnp.mean(nonzero.sum(axis=(-3, -1)), axis=lead),
+        "buffer_fill": jnp.mean(nonzero.any(axis=-3)),
+    }

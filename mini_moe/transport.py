@@ -1,0 +1,274 @@
+"""Affinity by optimal transport: balanced token/expert plans.
+
+All plans here solve a transport problem between T tokens (mass 1 each) and E experts
+(mass T/E each) for scores ``[..., T, E]`` (leading axes are independent groups):
+
+* :func:`sinkhorn` — entropic OT, paper 000 eq. (8): ``max <P, L> - eps <P, log P>``.
+  Solved by Sinkhorn's iterations in the log domain, a fixed number of times (a scan).
+* :func:`quadratic_plan` — quadratically regularised OT of SVMoE (paper 001, Sec. 2):
+  ``max <P, S> - (gamma / 2) ||P||^2``. Solved by exact alternating dual maximisation,
+  each half-step a projection of every row (column) onto a scaled simplex — the
+  quadratic analogue of Sinkhorn's row/column normalisations. The plan is sparse.
+* :func:`sparsity_constrained_plan` — paper 000 eq. (9) (Liu et al. 2023): the quadratic
+  problem with at most C nonzeros per expert column. Solved on the semi-dual by
+  gradient descent, each column a k-sparse simplex projection, until the token
+  marginal error is below a tolerance or the semi-dual stops improving.
+
+The simplex projections are exposed too: :func:`project_simplex` and
+:func:`project_ksparse_simplex`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = Any
+
+
+def _check_plan_inputs(scores, name="logits"):
+    shape = np.shape(scores)
+    if len(shape) < 2:
+        raise ValueError(f"{name} must have shape [..., T, E] (rank >= 2), got shape {shape}.")
+    return shape
+
+
+def _check_positive(name, value, integer=False):
+    if integer and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}.")
+
+
+# ----------------------------------------------------------------------- Sinkhorn
+
+
+def sinkhorn(logits: Array, *, num_iters: int, epsilon: float = 1.0) -> Array:
+    """Entropic optimal transport plan of paper 000, eq. (8), by log-domain Sinkhorn.
+
+    ``P = argmax <P, logits> - epsilon <P, log P>`` subject to ``P 1_E = 1_T`` and
+    ``P^T 1_T = (T/E) 1_E``. The solution is ``P[t, r] = exp((logits[t, r] + f[t] +
+    g[r]) / epsilon)``; each iteration sets f so rows sum to 1, then g so columns sum to
+    T/E (the expert marginal is exact on return, the token marginal approaches 1).
+    Working with ``logsumexp`` keeps it finite for logits of any size, where the
+    multiplicative version underflows to zero rows once ``|logits| / epsilon`` is large.
+
+    Args:
+      logits: ``[..., T, E]``.
+      num_iters: fixed number of row+column updates (>= 1): traces to a ``lax.scan``.
+      epsilon: entropic regularisation (paper 000 uses 1).
+
+    Returns:
+      The plan ``[..., T, E]``, differentiable through the unrolled iterations.
+    """
+    shape = _check_plan_inputs(logits)
+    _check_positive("num_iters", num_iters, integer=True)
+    _check_positive("epsilon", epsilon)
+    num_tokens, num_experts = shape[-2:]
+    kernel = jnp.asarray(logits, dtype=jnp.result_type(logits, jnp.float32)) / epsilon
+    log_a = 0.0  # log of the token marginal, 1
+    log_b = jnp.log(num_tokens / num_experts)
+
+    def step(carry, _):
+        f, g = carry
+        f = log_a - jax.nn.logsumexp(kernel + g[..., None, :], axis=-1)
+        g = log_b - jax.nn.logsumexp(kernel + f[..., :, None], axis=-2)
+        return (f, g), None
+
+    f0 = jnp.zeros(kernel.shape[:-1], kernel.dtype)
+    g0 = jnp.zeros(kernel.shape[:-2] + (num_experts,), kernel.dtype)
+    (f, g), _ = jax.lax.scan(step, (f0, g0), None, length=num_iters)
+    return jnp.exp(kernel + f[..., :, None] + g[..., None, :])
+
+
+# ---------------------------------------------------------------- simplex projections
+
+
+def _simplex_threshold(sorted_desc: Array, mass) -> Array:
+    """tau with ``sum(max(v - tau, 0)) == mass`` for v given sorted in decreasing order."""
+    n = sorted_desc.shape[-1]
+    cumsum = jnp.cumsum(sorted_desc, axis=-1) - jnp.expand_dims(mass, -1)
+    rank = jnp.arange(1, n + 1, dtype=sorted_desc.dtype)
+    support = sorted_desc - cumsum / rank > 0  # a prefix of True
+    count = jnp.maximum(jnp.sum(support, axis=-1), 1)
+    return jnp.take_along_axis(cumsum, count[..., None] - 1, axis=-1)[..., 0] / count
+
+
+def project_simplex(v: Array, mass=1.0) -> Array:
+    """Euclidean projection of each row ``v[..., :]`` onto ``{p >= 0, sum(p) = mass}``."""
+    sorted_desc = -jnp.sort(-v, axis=-1)
+    tau = _simplex_threshold(sorted_desc, jnp.asarray(mass, v.dtype))
+    return jnp.maximum(v - tau[..., None], 0.0)
+
+
+def project_ksparse_simplex(v: Array, k: int, mass=1.0) -> Array:
+    """Projection of each row of v onto ``{p >= 0, sum(p) = mass, ||p||_0 <= k}``.
+
+    Exact (Kyrillidis et al. 2013): keep the k largest entries, project them onto the
+    simplex, zero the rest. Ties are broken towards lower indices.
+    """
+    n = v.shape[-1]
+    k = min(int(k), n)
+    top, index = jax.lax.top_k(v, k)
+    tau = _simplex_threshold(top, jnp.asarray(mass, v.dtype))
+    values = jnp.maximum(top - tau[..., None], 0.0)
+    keep = jnp.zeros(v.shape, v.dtype)
+    return _scatter_last(keep, index, values)
+
+
+def _scatter_last(base, index, values):
+    """base[..., index[..., j]] = values[..., j] along the last axis."""
+    one_hot = jax.nn.one_hot(index, base.shape[-1], dtype=base.dtype)  # [..., k, n]
+    return base + jnp.einsum("...k,...kn->...n", values, one_hot)
+
+
+# -------------------------------------------------------------- quadratic OT (SVMoE)
+
+
+def quadratic_plan(scores: Array, *, gamma: float = 1.0, num_iters: int = 50) -> Array:
+    """Quadratically regularised OT plan (SVMoE, paper 001, Sec. 2; Blondel et al. 2018).
+
+    ``P = argmax <P, scores> - (gamma / 2) ||P||_F^2`` subject to ``P >= 0``,
+    ``P 1_E = 1_T`` and ``P^T 1_T = (T/E) 1_E``. SVMoE uses ``scores = softmax(XW)`` and
+    ``gamma = 1/k``. The dual is maximised exactly one block at a time: every row of
+    ``(scores + g) / gamma`` is projected onto the simplex of mass 1, then every column
+    of ``(scores + f) / gamma`` onto the simplex of mass T/E. Like Sinkhorn's
+    normalisations, but with a Euclidean projection in place of a division, which is
+    why the plan has exact zeros.
+
+    Args:
+      scores: ``[..., T, E]``.
+      gamma: regularisation strength (> 0).
+      num_iters: fixed number of row+column projections (a scan).
+
+    Returns:
+      The plan ``[..., T, E]``; columns meet T/E exactly, rows approach 1.
+    """
+    shape = _check_plan_inputs(scores, "scores")
+    _check_positive("gamma", gamma)
+    _check_positive("num_iters", num_iters, integer=True)
+    num_tokens, num_experts = shape[-2:]
+    kernel = jnp.asarray(scores, jnp.result_type(scores, jnp.float32)) / gamma
+    col_mass = jnp.asarray(num_tokens / num_experts, kernel.dtype)
+
+    def row_potential(g):  # f with rows of [kernel + f + g]_+ summing to 1
+        z = kernel + g[..., None, :]
+        return -_simplex_threshold(-jnp.sort(-z, axis=-1), jnp.ones((), kernel.dtype))
+
+    def col_potential(f):
+        z = jnp.swapaxes(kernel + f[..., :, None], -1, -2)
+        return -_simplex_threshold(-jnp.sort(-z, axis=-1), col_mass)
+
+    def step(g, _):
+        return col_potential(row_potential(g)), None
+
+    g0 = jnp.zeros(kernel.shape[:-2] + (num_experts,), kernel.dtype)
+    g, _ = jax.lax.scan(step, g0, None, length=num_iters)
+    f = row_potential(g)
+    g = col_potential(f)
+    return jnp.maximum(kernel + f[..., :, None] + g[..., None, :], 0.0)
+
+
+# ---------------------------------------------------- sparsity-constrained OT (eq. 9)
+
+
+class PlanInfo(NamedTuple):
+    """Convergence report of :func:`sparsity_constrained_plan`."""
+
+    iterations: Array  # iterations run
+    marginal_error: Array  # max_t |sum_r P[t, r] - 1| of the returned plan
+    objective: Array  # semi-dual objective at the end (it is minimised)
+    converged: Array  # marginal_error <= tol, or the semi-dual objective stopped improving
+
+
+def sparsity_constrained_plan(
+    scores: Array,
+    *,
+    max_nonzeros: int,
+    tol: float = 1e-3,
+    max_iters: int = 1000,
+    patience: int = 100,
+    return_info: bool = False,
+):
+    """Sparsity-constrained OT plan of paper 000, eq. (9) (Liu, Puigcerver, Blondel 2023).
+
+    ``P = argmax <P, scores> - 1/2 ||P||_F^2`` subject to ``P >= 0``, ``P 1_E = 1_T``,
+    ``P^T 1_T = (T/E) 1_E`` and at most ``max_nonzeros`` nonzeros in every column.
+    Paper 000 applies it to ``scores = softmax(XW)``.
+
+    Solved on the semi-dual, a convex function of a token potential f:
+    ``F(f) = sum_t f[t] + sum_r max_{p in S_r} <p, scores[:, r] - f> - |p|^2 / 2``, with
+    ``S_r = {p >= 0, sum p = T/E, ||p||_0 <= C}``. The inner maximiser, column r of the
+    plan, is the k-sparse simplex projection of ``scores[:, r] - f``; the gradient of F is
+    ``1 - P 1_E``. F is minimised by gradient steps of size ``1 / (E sqrt(1 + i/10))``
+    (the projection is discontinuous, so F is not smooth and a constant step
+    oscillates) until the token marginal error ``max_t |P 1_E - 1|[t]`` is below
+    ``tol`` or F has not improved by a relative 1e-6 for ``patience`` iterations.
+
+    Column sums and sparsity hold exactly at every iteration. Because eq. (9) is not
+    convex, the relaxation can stop with a token-marginal gap even at its optimum:
+    with C = T/E it typically reaches ``tol``; with larger C a gap of order 0.1 remains
+    (see the tests and chapter 5). The returned plan is the iterate with the smallest
+    marginal error. No gradient flows through the solver (``stop_gradient``): routers
+    take positions from this plan and combine weights from the softmax.
+
+    Args:
+      scores: ``[..., T, E]``.
+      max_nonzeros: C, nonzeros allowed per expert column (>= 1).
+      tol: target token-marginal error.
+      max_iters: iteration cap.
+      patience: iterations without improvement of F before stopping.
+      return_info: also return a :class:`PlanInfo`.
+
+    Returns:
+      The plan ``[..., T, E]``, and a :class:`PlanInfo` if ``return_info``.
+    """
+    shape = _check_plan_inputs(scores, "scores")
+    _check_positive("max_nonzeros", max_nonzeros, integer=True)
+    _check_positive("tol", tol)
+    _check_positive("max_iters", max_iters, integer=True)
+    _check_positive("patience", patience, integer=True)
+    num_tokens, num_experts = shape[-2:]
+    scores_t = jax.lax.stop_gradient(
+        jnp.swapaxes(jnp.asarray(scores, jnp.result_type(scores, jnp.float32)), -1, -2)
+    )  # [..., E, T]: one row per expert column
+    col_mass = num_tokens / num_experts
+
+    def evaluate(f):
+        shifted = scores_t - f[..., None, :]
+        plan_t = project_ksparse_simplex(shifted, max_nonzeros, col_mass)
+        residual = plan_t.sum(axis=-2) - 1.0  # minus the gradient of F
+        objective = jnp.sum(f) + jnp.sum(plan_t * shifted) - 0.5 * jnp.sum(plan_t**2)
+        return residual, jnp.max(jnp.abs(residual)), objective
+
+    def cond(state):
+        i, _, _, best_err, _, stall = state
+        return (i < max_iters) & (best_err > tol) & (stall < patience)
+
+    def body(state):
+        i, f, best_f, best_err, best_obj, stall = state
+        residual, _, _ = evaluate(f)
+        f = f + residual / (num_experts * jnp.sqrt(1.0 + i / 10.0))
+        _, err, obj = evaluate(f)
+        improved = obj < best_obj - 1e-6 * jnp.abs(best_obj)
+        better = err < best_err
+        return (
+            i + 1,
+            f,
+            jnp.where(better, f, best_f),
+            jnp.minimum(err, best_err),
+            jnp.minimum(obj, best_obj),
+            jnp.where(improved, 0, stall + 1),
+        )
+
+    f0 = jnp.zeros(scores_t.shape[:-2] + (num_tokens,), scores_t.dtype)
+    _, err0, obj0 = evaluate(f0)
+    state = (jnp.asarray(0), f0, f0, err0, obj0, jnp.asarray(0))
+    iterations, _, f, err, obj, stall = jax.lax.while_loop(cond, body, state)
+    plan = jnp.swapaxes(project_ksparse_simplex(scores_t - f[..., None, :], max_nonzeros, col_mass), -1, -2)
+    if return_info:
+        return plan, PlanInfo(iterations, err, obj, (err <= tol) | (stall >= patience))
+    return plan
