@@ -1,0 +1,225 @@
+"""Trainable routers: registry, semantics of each affinity/allocation pair, grads, jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mini_moe as mm
+from mini_moe import layer, losses, routers, routing, transport
+
+D, E, T, G = 8, 4, 12, 2
+ALL = sorted(mm.ROUTERS)
+
+
+def _x(seed=0, shape=(G, T, D)):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+
+
+def _make(name, **kw):
+    return mm.make_router(name, D, E, rngs=nnx.Rngs(0), **kw)
+
+
+def test_registry_has_every_router_of_the_papers():
+    assert set(ALL) == {
+        "softmax_token_choice", "sinkhorn_token_choice", "softmax_expert_choice",
+        "sinkhorn_expert_choice", "sparsity_constrained_expert_choice", "soft_moe", "svmoe",
+    }
+    with pytest.raises(ValueError, match="Unknown router 'topk'.*softmax_token_choice"):
+        mm.make_router("topk", D, E, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_router_routes_trains_and_jits(name):
+    router = _make(name)
+    experts = layer.MlpExperts(E, D, 16, rngs=nnx.Rngs(1))
+    x = _x()
+    out = router(x)
+    d = np.asarray(out.routing.dispatch)
+    assert d.shape[:3] == (G, T, E)
+    assert np.isfinite(float(out.aux_loss))
+    for key in ("dropped", "experts_per_token", "tokens_per_expert", "buffer_fill"):
+        assert np.all(np.isfinite(np.asarray(out.metrics[key])))
+    if out.routing.sparse:
+        assert set(np.unique(d)) <= {0.0, 1.0}
+        assert (d.sum(axis=1) <= 1).all()  # one token per slot, hence <= C per expert
+
+    def loss(router, experts, x):
+        o = router(x)
+        return jnp.mean(layer.moe(x, o.routing, experts) ** 2) + o.aux_loss
+
+    grads = nnx.grad(loss, argnums=(0, 1))(router, experts, x)
+    leaves = jax.tree.leaves(nnx.state(grads))
+    assert leaves and all(np.all(np.isfinite(g)) for g in leaves)
+    router_grad = sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(nnx.state(grads[0])))
+    assert router_grad > 0  # the router learns through the combine weights
+
+    router.eval()  # jit and eager agree (no noise in eval mode)
+    eager = router(x)
+    jitted = nnx.jit(lambda r, x: r(x))(router, x)
+    np.testing.assert_allclose(eager.routing.combine, jitted.routing.combine, rtol=1e-4, atol=1e-6)
+
+
+def test_softmax_token_choice_noise_and_losses():
+    router = _make("softmax_token_choice", k=2)
+    x = _x()
+    a, b = router(x), router(x)  # training mode: fresh noise every call
+    assert not np.allclose(a.routing.combine, b.routing.combine)
+    router.eval()
+    c, d = router(x), router(x)
+    np.testing.assert_array_equal(c.routing.combine, d.routing.combine)
+    logits = router.logits(x)
+    expected = routing.token_choice(jax.nn.softmax(logits), capacity=routing.capacity(T, E, 2), k=2)
+    np.testing.assert_allclose(c.routing.combine, expected.combine, rtol=1e-6)
+    np.testing.assert_allclose(c.metrics["importance_loss"], losses.importance_loss(logits), rtol=1e-6)
+    # In eval mode the noisy logits are the clean ones.
+    np.testing.assert_allclose(
+        c.metrics["load_loss"], losses.load_loss(logits, logits, k=2, noise_std=1.0), rtol=1e-6
+    )
+    np.testing.assert_allclose(c.aux_loss, (c.metrics["importance_loss"] + c.metrics["load_loss"]) / 2)
+    off = _make("softmax_token_choice", balance_loss=False)
+    assert float(off(x).aux_loss) == 0.0
+
+
+def test_softmax_token_choice_noise_has_std_noise_std_over_e():
+    router = _make("softmax_token_choice", noise_std=1.0)
+    x = _x(shape=(1, 2000, D))
+    clean = jax.nn.softmax(router.logits(x))
+    out = router(x)  # with T=2000 and C=T/E nothing we compare depends on drops
+    # Recover the noisy softmax at the chosen expert of kept tokens: combine = softmax(noisy).
+    kept = np.asarray(out.routing.dispatch).sum(axis=(-1,)) > 0
+    noisy_p = np.asarray(out.routing.combine).sum(axis=-1)[kept]
+    clean_p = np.asarray(clean)[kept]
+    # log p_noisy - log p_clean = noise_r - logsumexp shift; its spread tracks the noise std.
+    spread = np.std(np.log(noisy_p) - np.log(clean_p))
+    assert 0.5 * (1.0 / E) < spread < 1.6 * (1.0 / E)
+
+
+@pytest.mark.parametrize("name", ["sinkhorn_token_choice", "sinkhorn_expert_choice"])
+def test_sinkhorn_routers_softmax_combine_switch(name):
+    x = _x()
+    with_sm = _make(name, softmax_combine=True, num_iters=30)
+    without = _make(name, softmax_combine=False, num_iters=30)
+    logits = with_sm.logits(x)
+    plan = transport.sinkhorn(logits, num_iters=30)
+    if "token" in name:
+        expected = routing.token_choice(plan, capacity=routing.capacity(T, E, 1), combine_scores=jax.nn.softmax(logits))
+    else:
+        expected = routing.expert_choice(plan, capacity=routing.capacity(T, E, 1), combine_scores=jax.nn.softmax(logits))
+    got = with_sm(x).routing
+    np.testing.assert_array_equal(got.dispatch, expected.dispatch)  # positions from the plan
+    np.testing.assert_allclose(got.combine, expected.combine, rtol=1e-5)  # values from softmax
+    plain = without(x).routing
+    np.testing.assert_array_equal(plain.dispatch, expected.dispatch)
+    np.testing.assert_allclose(plain.combine, plain.dispatch * np.asarray(plan)[..., None], rtol=1e-4)
+
+
+def test_sinkhorn_token_choice_balances_better_than_softmax():
+    # Skewed logits: softmax top-1 sends most tokens to expert 0; Sinkhorn spreads them.
+    router = _make("sinkhorn_token_choice", num_iters=50)
+    x = _x(shape=(1, 64, D))
+    bias = jnp.zeros((D, E)).at[:, 0].set(0.5)
+    router.dense.kernel[...] = router.dense.kernel[...] + bias
+    soft = _make("softmax_token_choice")
+    soft.dense.kernel[...] = router.dense.kernel[...]
+    soft.eval()
+    dropped_sinkhorn = float(router(x).metrics["dropped"])
+    dropped_softmax = float(soft(x).metrics["dropped"])
+    assert dropped_sinkhorn < dropped_softmax
+
+
+def test_svmoe_uses_quadratic_plan_with_gamma_one_over_k():
+    router = _make("svmoe", k=2, num_iters=30)
+    x = _x()
+    probs = jax.nn.softmax(router.logits(x))
+    plan = transport.quadratic_plan(probs, gamma=0.5, num_iters=30)
+    expected = routing.token_choice(plan, capacity=routing.capacity(T, E, 2), k=2, combine_scores=probs)
+    got = router(x).routing
+    np.testing.assert_array_equal(got.dispatch, expected.dispatch)
+    np.testing.assert_allclose(got.combine, expected.combine, rtol=1e-5)
+
+
+def test_sparsity_constrained_router_dispatches_the_plan_support():
+    router = _make("sparsity_constrained_expert_choice", capacity_factor=2.0)
+    x = _x()
+    out = router(x)
+    probs = jax.nn.softmax(router.logits(x))
+    cap = routing.capacity(T, E, 2.0)
+    plan = transport.sparsity_constrained_plan(probs, max_nonzeros=cap, tol=router.tol, max_iters=router.max_iters)
+    d = np.asarray(out.routing.dispatch).sum(-1)
+    support = np.asarray(plan) > 0
+    assert (d[support] == 1).all()  # every token of the plan's support is dispatched
+    np.testing.assert_allclose(out.routing.combine, out.routing.dispatch * np.asarray(probs)[..., None], rtol=1e-5)
+    assert int(out.metrics["solver_iterations"]) >= 1
+    assert float(out.metrics["solver_marginal_error"]) >= 0
+
+
+def test_expert_choice_capacity_factor():
+    out = _make("softmax_expert_choice", capacity_factor=2.0)(_x())
+    assert out.routing.dispatch.shape[-1] == routing.capacity(T, E, 2.0) == 6
+    np.testing.assert_array_equal(np.asarray(out.metrics["tokens_per_expert"]), 6.0)  # buffers full
+    np.testing.assert_allclose(float(out.metrics["buffer_fill"]), 1.0)
+
+
+def test_soft_moe_normalisation_and_scale():
+    router = _make("soft_moe", slots_per_expert=2)
+    assert float(router.scale[...]) == 1.0
+    x = _x(shape=(3, T, D))
+    z = router.logits(x)
+    assert z.shape == (3, T, E, 2)
+    np.testing.assert_allclose(z, router.logits(7.0 * x), rtol=1e-4, atol=1e-5)  # l2 normalised tokens
+    assert float(jnp.max(jnp.abs(z))) <= 1.0 + 1e-5  # cosine similarities times scale 1
+    router.scale[...] = jnp.asarray(3.0)
+    np.testing.assert_allclose(router.logits(x), 3.0 * z, rtol=1e-4, atol=1e-5)
+    # l2_normalize keeps eps inside the root: zero vectors stay finite.
+    assert np.all(np.isfinite(routers.l2_normalize(jnp.zeros((2, 3)), axis=-1)))
+    raw = _make("soft_moe", normalize=False)
+    np.testing.assert_allclose(raw.logits(x), jnp.einsum("gtd,des->gtes", x, raw.phi[...]), rtol=1e-5)
+    out = router(x)
+    np.testing.assert_allclose(out.routing.dispatch.sum(axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(out.routing.combine.sum(axis=(2, 3)), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("ablation", ["soft/uniform", "uniform/soft", "uniform", "identity"])
+def test_soft_moe_ablations_of_paper_002_table_2(ablation):
+    router = _make("soft_moe", slots_per_expert=T // E, ablation=ablation)
+    x = _x()
+    rt = router(x).routing
+    soft = routing.soft_routing(router.logits(x))
+    uniform_d, uniform_c = 1.0 / T, 1.0 / T  # E * S = T slots here
+    if ablation == "identity":
+        eye = np.eye(T).reshape(T, E, T // E)
+        np.testing.assert_array_equal(rt.dispatch[0], eye)
+        np.testing.assert_array_equal(rt.combine[1], eye)
+        np.testing.assert_allclose(layer.moe(x, rt, lambda s: 2 * s), 2 * x, rtol=1e-6)  # token t -> slot t
+        with pytest.raises(ValueError, match="identity routing needs"):
+            _make("soft_moe", ablation="identity")(x)
+        return
+    d_kind, c_kind = (ablation.split("/") * 2)[:2]
+    np.testing.assert_allclose(rt.dispatch, soft.dispatch if d_kind == "soft" else uniform_d, rtol=1e-6)
+    np.testing.assert_allclose(rt.combine, soft.combine if c_kind == "soft" else uniform_c, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, match",
+    [
+        ("softmax_token_choice", {"k": 0}, "k"),
+        ("softmax_token_choice", {"k": E + 1}, "k must be <="),
+        ("sinkhorn_token_choice", {"capacity_factor": 0.0}, "capacity_factor"),
+        ("softmax_expert_choice", {"capacity_factor": -1.0}, "capacity_factor"),
+        ("sinkhorn_expert_choice", {"epsilon": 0.0}, "epsilon"),
+        ("softmax_token_choice", {"noise_std": -1.0}, "noise_std"),
+        ("soft_moe", {"ablation": "random"}, "ablation"),
+        ("soft_moe", {"slots_per_expert": 0}, "slots_per_expert"),
+    ],
+)
+def test_bad_router_arguments(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _make(name, **kwargs)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_wrong_token_dimension_raises(name):
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., T, D=8\]"):
+        _make(name)(jnp.ones((G, T, D + 1)))
