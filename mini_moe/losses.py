@@ -57,3 +57,37 @@ def load_loss(logits: Array, noisy_logits: Array, *, k: int, noise_std: float) -
     sigma = noise_std / num_experts
     load = jax.scipy.stats.norm.cdf((logits - threshold) / sigma).sum(axis=-2)  # [..., E]
     return jnp.mean(cv_squared(load))
+
+
+def pairwise_router_consistency(probs1: Array, probs2: Array, index: Array, valid: Array, *,
+                                lambda_diag: float = 5e-3, lambda_offdiag: float = 5e-2) -> Array:
+    """Pairwise Router Consistency loss (paper 004, eq. 3-6).
+
+    ``S = E / |U| * sum_{(p1, p2) in U} r(x1, p1) r(x2, p2)^T`` over the corresponding
+    patch pairs U of all images, then
+    ``L = lambda_diag / E * sum_i (1 - S_ii)^2 + lambda_offdiag / (E (E-1)) * sum_{i!=j} S_ij^2``:
+    corresponding patches should pick the same expert (diagonal near 1) and nothing else
+    (off-diagonal near 0). Defaults are paper 004's Table 1.
+
+    Args:
+      probs1: ``[B, P1, E]`` router distributions of view 1 (the higher-resolution view).
+      probs2: ``[B, P2, E]`` router distributions of view 2.
+      index: ``[B, P1]`` int, the view-2 patch corresponding to each view-1 patch.
+      valid: ``[B, P1]`` bool, whether the correspondence exists (centre inside view 2).
+
+    Returns:
+      Scalar loss.
+    """
+    if probs1.ndim != 3 or probs2.ndim != 3 or probs1.shape[-1] != probs2.shape[-1]:
+        raise ValueError(f"probs1, probs2 must be [B, P, E] with equal E, got {probs1.shape}, {probs2.shape}.")
+    if index.shape != probs1.shape[:2] or valid.shape != probs1.shape[:2]:
+        raise ValueError(f"index and valid must have shape {probs1.shape[:2]}, got {index.shape}, {valid.shape}.")
+    num_experts = probs1.shape[-1]
+    partner = jnp.take_along_axis(probs2, index[..., None], axis=1)  # [B, P1, E]
+    weight = valid.astype(probs1.dtype)[..., None]
+    pairs = jnp.maximum(jnp.sum(valid), 1)
+    s = num_experts / pairs * jnp.einsum("bpi,bpj->ij", probs1 * weight, partner)
+    eye = jnp.eye(num_experts, dtype=s.dtype)
+    diag = jnp.sum((1 - jnp.diag(s)) ** 2) * lambda_diag / num_experts
+    offdiag = jnp.sum(((1 - eye) * s) ** 2) * lambda_offdiag / max(num_experts * (num_experts - 1), 1)
+    return diag + offdiag

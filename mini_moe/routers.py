@@ -50,11 +50,15 @@ class RouterOutput:
       routing: :class:`~mini_moe.routing.Routing`, tensors ``[..., T, E, C]``.
       aux_loss: scalar auxiliary loss (0 for routers that need none).
       metrics: dict of scalars and ``[E]`` arrays (see ``routing.routing_metrics``).
+      probs: ``[..., T, E]`` each token's distribution over experts: the (noisy) softmax
+        of the router logits (paper 004's r_theta); for Soft MoE the combine weights
+        summed over each expert's slots.
     """
 
     routing: routing.Routing
     aux_loss: Array
     metrics: dict
+    probs: Array
 
 
 ROUTERS: dict[str, type] = {}
@@ -104,10 +108,10 @@ class Router(nnx.Module):
         """Clean router logits ``x W``: ``[..., T, E]``."""
         return self.dense(self._tokens(x))
 
-    def _output(self, rt, aux_loss=0.0, **extra):
+    def _output(self, rt, probs, aux_loss=0.0, **extra):
         metrics = routing.routing_metrics(rt)
         metrics.update(extra)
-        return RouterOutput(rt, jnp.asarray(aux_loss, jnp.float32), metrics)
+        return RouterOutput(rt, jnp.asarray(aux_loss, jnp.float32), metrics, probs)
 
 
 class _TokenChoiceOptions:
@@ -166,7 +170,7 @@ class SoftmaxTokenChoice(Router, _TokenChoiceOptions):
         load = (losses.load_loss(logits, noisy, k=self.k, noise_std=self.noise_std)
                 if self.noise_std > 0 else importance)
         aux = (importance + load) / 2 if self.balance_loss else 0.0
-        return self._output(rt, aux, importance_loss=importance, load_loss=load)
+        return self._output(rt, probs, aux, importance_loss=importance, load_loss=load)
 
 
 class _SinkhornOptions:
@@ -199,8 +203,9 @@ class SinkhornTokenChoice(Router, _TokenChoiceOptions, _SinkhornOptions):
         self._set_sinkhorn(num_iters, epsilon, softmax_combine)
 
     def __call__(self, x: Array) -> RouterOutput:
-        plan, combine_scores = self._plan_and_combine(self.logits(x))
-        return self._output(self._allocate(plan, combine_scores))
+        logits = self.logits(x)
+        plan, combine_scores = self._plan_and_combine(logits)
+        return self._output(self._allocate(plan, combine_scores), jax.nn.softmax(logits, axis=-1))
 
 
 @register("svmoe")
@@ -222,7 +227,7 @@ class SVMoE(Router, _TokenChoiceOptions):
     def __call__(self, x: Array) -> RouterOutput:
         probs = jax.nn.softmax(self.logits(x), axis=-1)
         plan = transport.quadratic_plan(jax.lax.stop_gradient(probs), gamma=1.0 / self.k, num_iters=self.num_iters)
-        return self._output(self._allocate(plan, probs))
+        return self._output(self._allocate(plan, probs), probs)
 
 
 class _ExpertChoiceOptions:
@@ -246,7 +251,7 @@ class SoftmaxExpertChoice(Router, _ExpertChoiceOptions):
 
     def __call__(self, x: Array) -> RouterOutput:
         probs = jax.nn.softmax(self.logits(x), axis=-1)
-        return self._output(routing.expert_choice(probs, capacity=self._capacity(probs.shape[-2])))
+        return self._output(routing.expert_choice(probs, capacity=self._capacity(probs.shape[-2])), probs)
 
 
 @register("sinkhorn_expert_choice")
@@ -260,9 +265,11 @@ class SinkhornExpertChoice(Router, _ExpertChoiceOptions, _SinkhornOptions):
         self._set_sinkhorn(num_iters, epsilon, softmax_combine)
 
     def __call__(self, x: Array) -> RouterOutput:
-        plan, combine_scores = self._plan_and_combine(self.logits(x))
+        logits = self.logits(x)
+        plan, combine_scores = self._plan_and_combine(logits)
         cap = self._capacity(plan.shape[-2])
-        return self._output(routing.expert_choice(plan, capacity=cap, combine_scores=combine_scores))
+        rt = routing.expert_choice(plan, capacity=cap, combine_scores=combine_scores)
+        return self._output(rt, jax.nn.softmax(logits, axis=-1))
 
 
 @register("sparsity_constrained_expert_choice")
@@ -283,7 +290,7 @@ class SparsityConstrainedExpertChoice(Router, _ExpertChoiceOptions):
             probs, max_nonzeros=cap, tol=self.tol, max_iters=self.max_iters, return_info=True
         )
         rt = routing.expert_choice(plan, capacity=cap, combine_scores=probs)
-        return self._output(rt, solver_iterations=info.iterations, solver_marginal_error=info.marginal_error)
+        return self._output(rt, probs, solver_iterations=info.iterations, solver_marginal_error=info.marginal_error)
 
 
 def l2_normalize(x: Array, axis: int, eps: float = 1e-6) -> Array:
@@ -342,9 +349,10 @@ class SoftMoE(Router):
                 )
             eye = jnp.eye(num_tokens, dtype=x.dtype).reshape((num_tokens,) + shape[-2:])
             rt = routing.Routing(jnp.broadcast_to(eye, shape), jnp.broadcast_to(eye, shape), sparse=True)
-            return self._output(rt)
+            return self._output(rt, rt.combine.sum(axis=-1))
         soft = routing.soft_routing(self.logits(x))
         dispatch_kind, combine_kind = (self.ablation.split("/") * 2)[:2]
         dispatch = soft.dispatch if dispatch_kind == "soft" else jnp.full(shape, 1.0 / num_tokens, x.dtype)
         combine = soft.combine if combine_kind == "soft" else jnp.full(shape, 1.0 / (shape[-1] * shape[-2]), x.dtype)
-        return self._output(routing.Routing(dispatch, combine, sparse=False), scale=self.scale[...])
+        rt = routing.Routing(dispatch, combine, sparse=False)
+        return self._output(rt, combine.sum(axis=-1), scale=self.scale[...])

@@ -1,0 +1,122 @@
+"""Named training configurations: ``quick`` (CPU, minutes) and ``full`` (GPU/TPU).
+
+One switch picks the scale (DESIGN §5): :func:`default_scale` returns ``"quick"`` on a
+CPU and ``"full"`` on an accelerator; the environment variable ``MINI_MOE_SCALE``
+overrides it. Every field can be overridden by keyword (``get_config(..., steps=50)``,
+``model_dim=...`` style keys prefixed with ``model_`` go to :class:`ModelConfig`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+
+from mini_moe.model import ModelConfig
+
+SCALES = ("quick", "full")
+
+# Per dataset: image geometry and the patch size used at each scale.
+_DATASET_SHAPES = {
+    "digits": dict(image_size=8, channels=1, num_classes=10, patch={"quick": 2, "full": 2}),
+    "fashion_mnist": dict(image_size=28, channels=1, num_classes=10, patch={"quick": 4, "full": 4}),
+    "cifar10": dict(image_size=32, channels=3, num_classes=10, patch={"quick": 4, "full": 4}),
+    "cifar100": dict(image_size=32, channels=3, num_classes=100, patch={"quick": 4, "full": 4}),
+}
+
+_MODEL_SCALE = {
+    "quick": dict(dim=64, depth=4, heads=4, mlp_dim=128, num_experts=8),
+    "full": dict(dim=192, depth=8, heads=6, mlp_dim=384, num_experts=16),
+}
+
+_TRAIN_SCALE = {
+    "quick": dict(batch_size=128, steps=1500, learning_rate=2e-3, warmup_steps=100, eval_every=500),
+    "full": dict(batch_size=256, steps=20000, learning_rate=1e-3, warmup_steps=1000, eval_every=2000),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run needs; saved as ``config.json`` next to its results."""
+
+    model: ModelConfig
+    dataset: str = "digits"
+    data_dir: str | None = None
+    batch_size: int = 128
+    steps: int = 1000
+    learning_rate: float = 1e-3
+    warmup_steps: int = 100
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    aux_loss_weight: float = 0.01  # weight of the routers' auxiliary losses
+    prc_weight: float = 0.0  # Pairwise Router Consistency (paper 004); needs augment
+    augment: bool = False  # random resized crop + flip
+    eval_every: int = 500
+    eval_batch_size: int = 512
+    checkpoint_every: int = 500
+    max_seconds: float | None = None  # stop (and checkpoint) after this much training time
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("batch_size", "steps", "eval_every", "eval_batch_size", "checkpoint_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps!r}.")
+        if self.prc_weight > 0 and not self.augment:
+            raise ValueError("prc_weight > 0 needs augment=True (two augmented views per image).")
+
+
+def default_scale() -> str:
+    """``MINI_MOE_SCALE`` if set, else ``"quick"`` on CPU and ``"full"`` on GPU/TPU."""
+    scale = os.environ.get("MINI_MOE_SCALE") or ("quick" if jax.default_backend() == "cpu" else "full")
+    if scale not in SCALES:
+        raise ValueError(f"MINI_MOE_SCALE must be one of {SCALES}, got {scale!r}.")
+    return scale
+
+
+def get_config(scale: str | None = None, *, dataset: str = "digits", router: str | None = "soft_moe",
+               **overrides) -> TrainConfig:
+    """Build a :class:`TrainConfig`.
+
+    Args:
+      scale: ``"quick"``, ``"full"`` or None (:func:`default_scale`).
+      dataset: one of ``mini_moe.data.DATASETS``.
+      router: a router name (``mini_moe.ROUTERS``) or None for the dense ViT.
+      **overrides: TrainConfig fields, or ModelConfig fields prefixed with ``model_``
+        (e.g. ``model_num_experts=4``, ``model_router_kwargs={"k": 2}``).
+    """
+    scale = default_scale() if scale is None else scale
+    if scale not in SCALES:
+        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}.")
+    if dataset not in _DATASET_SHAPES:
+        raise ValueError(f"Unknown dataset {dataset!r}; expected one of: {', '.join(_DATASET_SHAPES)}.")
+    shape = dict(_DATASET_SHAPES[dataset])
+    model_fields = dict(
+        image_size=shape["image_size"], channels=shape["channels"], num_classes=shape["num_classes"],
+        patch_size=shape["patch"][scale], router=router,
+        placement="last2" if router == "soft_moe" else "every2",
+        **_MODEL_SCALE[scale],
+    )
+    train_fields = dict(_TRAIN_SCALE[scale], dataset=dataset)
+    valid_train = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
+    valid_model = {f.name for f in dataclasses.fields(ModelConfig)}
+    for key, value in overrides.items():
+        if key.startswith("model_") and key[6:] in valid_model:
+            if key == "model_router_kwargs" and isinstance(value, dict):
+                value = tuple(sorted(value.items()))
+            model_fields[key[6:]] = value
+        elif key in valid_train:
+            train_fields[key] = value
+        else:
+            raise ValueError(
+                f"Unknown config field {key!r}; TrainConfig fields: {sorted(valid_train)}; "
+                f"model fields (prefix 'model_'): {sorted(valid_model)}."
+            )
+    if "checkpoint_every" not in overrides:
+        train_fields["checkpoint_every"] = train_fields.get("eval_every", 500)
+    return TrainConfig(model=ModelConfig(**model_fields), **train_fields)

@@ -1,0 +1,207 @@
+"""A small Vision Transformer whose MLPs can be MoE layers with any router (V-MoE).
+
+Architecture (Dosovitskiy et al. 2021; Riquelme et al. 2021): non-overlapping patches ->
+linear embedding + learned position embeddings -> pre-norm blocks (attention, then an
+MLP or MoE) -> layer norm -> global average pooling -> linear head.
+
+MoE placement: ``"every2"`` replaces the MLP of every other block (V-MoE "Every-2": blocks
+1, 3, ...), ``"lastN"`` (e.g. ``"last2"``) the last N blocks (Soft MoE's placement),
+``"none"`` gives the dense ViT. Sparse routers route per group of ``group_images`` images'
+tokens; Soft MoE per image.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mini_moe import routers as routers_lib
+from mini_moe.layer import MlpExperts, moe
+
+Array = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of :class:`VisionMoE` (see ``mini_moe.config`` for named presets)."""
+
+    image_size: int = 28
+    channels: int = 1
+    patch_size: int = 4
+    num_classes: int = 10
+    dim: int = 64
+    depth: int = 4
+    heads: int = 4
+    mlp_dim: int = 128  # hidden size of the dense MLPs and of every expert
+    router: str | None = "soft_moe"  # None: the dense ViT
+    num_experts: int = 8
+    placement: str = "every2"  # "every2", "lastN" or "none"
+    group_images: int = 8  # images per routing group (sparse routers)
+    router_kwargs: tuple = ()  # (("k", 2), ...): hashable, so configs can key caches
+    moe_path: str = "auto"  # layer path: "auto", "einsum" or "gather"
+
+    def __post_init__(self):
+        for name in ("image_size", "channels", "patch_size", "num_classes", "dim", "depth", "heads",
+                     "mlp_dim", "num_experts", "group_images"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}."
+            )
+        if self.dim % self.heads:
+            raise ValueError(f"dim={self.dim} must be divisible by heads={self.heads}.")
+        if self.router is not None and self.router not in routers_lib.ROUTERS:
+            raise ValueError(
+                f"Unknown router {self.router!r}; expected None (dense) or one of: "
+                f"{', '.join(sorted(routers_lib.ROUTERS))}."
+            )
+        self.moe_blocks()  # validates placement
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    def moe_blocks(self) -> tuple[int, ...]:
+        """Indices of the blocks whose MLP is an MoE layer."""
+        if self.router is None or self.placement == "none":
+            return ()
+        if self.placement == "every2":
+            return tuple(range(1, self.depth, 2))
+        match = re.fullmatch(r"last(\d+)", self.placement)
+        if not match or not 1 <= int(match.group(1)) <= self.depth:
+            raise ValueError(
+                f"placement must be 'every2', 'none' or 'lastN' with 1 <= N <= depth={self.depth}, "
+                f"got {self.placement!r}."
+            )
+        return tuple(range(self.depth - int(match.group(1)), self.depth))
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    """What :class:`VisionMoE` returns.
+
+    Attributes:
+      logits: ``[B, classes]``.
+      aux_loss: sum of the MoE layers' auxiliary losses.
+      metrics: per MoE layer, the router's metrics dict.
+      features: pooled features ``[B, D]`` (for linear probes).
+      probs: per MoE layer, ``[B, N, E]`` each patch's distribution over experts.
+      routings: per MoE layer, the :class:`~mini_moe.routing.Routing` (grouped as the
+        router saw it), only with ``return_routing=True``.
+    """
+
+    logits: Array
+    aux_loss: Array
+    metrics: tuple
+    features: Array
+    probs: tuple
+    routings: tuple = ()
+
+
+def patchify(images: Array, patch_size: int) -> Array:
+    """``[B, H, W, C]`` -> ``[B, (H/p)*(W/p), p*p*C]``, patches in row-major order."""
+    b, h, w, c = images.shape
+    if h % patch_size or w % patch_size:
+        raise ValueError(f"image size {h}x{w} must be divisible by patch_size={patch_size}.")
+    x = images.reshape(b, h // patch_size, patch_size, w // patch_size, patch_size, c)
+    return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, (h // patch_size) * (w // patch_size), -1)
+
+
+class MoeMlp(nnx.Module):
+    """An MoE layer in place of a Transformer MLP: router + experts + eq. (2).
+
+    Regroups the ``[B, N, D]`` tokens of a batch into routing groups first: one image
+    per group for Soft MoE, ``group_images`` images per group for sparse routers.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        kwargs = dict(cfg.router_kwargs)
+        self.router = routers_lib.make_router(cfg.router, cfg.dim, cfg.num_experts, rngs=rngs, **kwargs)
+        self.experts = MlpExperts(cfg.num_experts, cfg.dim, cfg.mlp_dim, rngs=rngs)
+        self.per_image = cfg.router == "soft_moe"
+        self.group_images = cfg.group_images
+        self.path = cfg.moe_path
+
+    def __call__(self, x: Array) -> tuple[Array, routers_lib.RouterOutput]:
+        """``x [B, N, D]`` -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``)."""
+        b, n, d = x.shape
+        per_group = 1 if self.per_image else min(self.group_images, b)
+        if b % per_group:
+            raise ValueError(
+                f"batch size {b} must be a multiple of group_images={per_group} for sparse routers "
+                "(pad the batch, or change group_images)."
+            )
+        groups = x.reshape(b // per_group, per_group * n, d)
+        out = self.router(groups)
+        y = moe(groups, out.routing, self.experts, path=self.path)
+        return y.reshape(b, n, d), out.replace(probs=out.probs.reshape(b, n, -1))
+
+
+class DenseMlp(nnx.Module):
+    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(dim, hidden, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, dim, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(x)))
+
+
+class Block(nnx.Module):
+    """Pre-norm Transformer block; the MLP is dense or an :class:`MoeMlp`."""
+
+    def __init__(self, cfg: ModelConfig, use_moe: bool, *, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(cfg.dim, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(cfg.heads, cfg.dim, decode=False, deterministic=True, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(cfg.dim, rngs=rngs)
+        self.mlp = MoeMlp(cfg, rngs=rngs) if use_moe else DenseMlp(cfg.dim, cfg.mlp_dim, rngs=rngs)
+        self.use_moe = use_moe
+
+    def __call__(self, x):
+        x = x + self.attn(self.norm1(x))
+        if self.use_moe:
+            y, out = self.mlp(self.norm2(x))
+            return x + y, out
+        return x + self.mlp(self.norm2(x)), None
+
+
+class VisionMoE(nnx.Module):
+    """ViT / V-MoE classifier. ``model(images [B, H, W, C]) -> ModelOutput``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        patch_dim = cfg.patch_size**2 * cfg.channels
+        self.embed = nnx.Linear(patch_dim, cfg.dim, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, cfg.num_patches, cfg.dim)))
+        moe_blocks = cfg.moe_blocks()
+        self.blocks = nnx.List([Block(cfg, i in moe_blocks, rngs=rngs) for i in range(cfg.depth)])
+        self.norm = nnx.LayerNorm(cfg.dim, rngs=rngs)
+        self.head = nnx.Linear(cfg.dim, cfg.num_classes, kernel_init=nnx.initializers.zeros, rngs=rngs)
+
+    def __call__(self, images: Array, *, return_routing: bool = False) -> ModelOutput:
+        cfg = self.cfg
+        shape = np.shape(images)
+        if len(shape) != 4 or shape[1:] != (cfg.image_size, cfg.image_size, cfg.channels):
+            raise ValueError(
+                f"images must have shape [B, {cfg.image_size}, {cfg.image_size}, {cfg.channels}], got {shape}."
+            )
+        x = self.embed(patchify(images, cfg.patch_size)) + self.pos[...]
+        aux, metrics, probs, routings = jnp.zeros(()), [], [], []
+        for block in self.blocks:
+            x, out = block(x)
+            if out is not None:
+                aux = aux + out.aux_loss
+                metrics.append(out.metrics)
+                probs.append(out.probs)
+                if return_routing:
+                    routings.append(out.routing)
+        features = jnp.mean(self.norm(x), axis=1)
+        return ModelOutput(self.head(features), aux, tuple(metrics), features, tuple(probs), tuple(routings))

@@ -1,0 +1,260 @@
+"""Training: AdamW with warmup + cosine, auxiliary losses, checkpoints, exact resume.
+
+:func:`train` runs a :class:`~mini_moe.config.TrainConfig` and writes into ``out_dir``:
+
+* ``config.json`` — the configuration;
+* ``checkpoints/`` — Orbax checkpoints of the model, optimizer and step (the last two);
+* ``history.json`` — training loss, auxiliary loss, test accuracy and router metrics.
+
+Resuming (``resume=True``, the default) continues from the newest checkpoint and ends
+with exactly the parameters of an uninterrupted run: the batch of step s depends only on
+(seed, s), and the router-noise RNG state is part of the checkpoint. A non-finite loss
+stops training with a ``ValueError``; the newest checkpoint on disk is the last good one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from mini_moe import data as data_lib
+from mini_moe.config import TrainConfig
+from mini_moe.model import ModelConfig, VisionMoE
+
+Array = Any
+
+
+# ------------------------------------------------------------------ construction
+
+
+def make_model(cfg: TrainConfig) -> VisionMoE:
+    """The model of ``cfg``, initialised from ``cfg.seed``."""
+    return VisionMoE(cfg.model, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
+
+
+def make_optimizer(model: VisionMoE, cfg: TrainConfig) -> nnx.Optimizer:
+    """AdamW on a linear-warmup + cosine schedule, with global-norm clipping."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps, end_value=cfg.learning_rate * 0.01
+    )
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
+    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def load_data(cfg: TrainConfig):
+    """Train and test splits, standardised with the training set's statistics."""
+    train = data_lib.load(cfg.dataset, "train", data_dir=cfg.data_dir)
+    test = data_lib.load(cfg.dataset, "test", data_dir=cfg.data_dir)
+    return data_lib.standardize(train, test)
+
+
+# --------------------------------------------------------------------- steps
+
+
+def _loss_fn(model: VisionMoE, images, labels, aux_weight):
+    out = model(images)
+    ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, labels).mean()
+    return ce + aux_weight * out.aux_loss, (ce, out)
+
+
+@nnx.jit(static_argnames=("aux_weight",))
+def train_step(model, optimizer, images, labels, aux_weight: float):
+    """One AdamW step on ``cross-entropy + aux_weight * sum of MoE auxiliary losses``."""
+    grads, (ce, out) = nnx.grad(_loss_fn, has_aux=True)(model, images, labels, aux_weight)
+    optimizer.update(model, grads)
+    accuracy = jnp.mean(jnp.argmax(out.logits, -1) == labels)
+    return {"loss": ce, "aux_loss": out.aux_loss, "accuracy": accuracy, "router": _mean_metrics(out.metrics)}
+
+
+def _mean_metrics(per_layer) -> dict:
+    """Average scalar router metrics over MoE layers."""
+    if not per_layer:
+        return {}
+    keys = [k for k, v in per_layer[0].items() if jnp.ndim(v) == 0]
+    return {k: jnp.mean(jnp.stack([m[k] for m in per_layer]).astype(jnp.float32)) for k in keys}
+
+
+@nnx.jit
+def _predict(model, images):
+    return model(images).logits
+
+
+def evaluate_accuracy(model: VisionMoE, dataset, batch_size: int = 512) -> float:
+    """Top-1 accuracy of ``model`` (in eval mode) over a whole dataset.
+
+    The last partial batch is padded by repeating its images (sparse routers need a
+    multiple of ``group_images``); padded predictions are ignored.
+    """
+    model.eval()
+    group = model.cfg.group_images
+    batch_size = max(group, batch_size - batch_size % group)
+    correct = 0
+    for start in range(0, len(dataset.labels), batch_size):
+        images = dataset.images[start : start + batch_size]
+        n = len(images)
+        if n < batch_size:
+            images = np.concatenate([images, np.resize(images, (batch_size - n,) + images.shape[1:])])
+        logits = _predict(model, jnp.asarray(images))[:n]
+        correct += int(jnp.sum(jnp.argmax(logits, -1) == dataset.labels[start : start + n]))
+    model.train()
+    return correct / len(dataset.labels)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+
+def _manager(out_dir: pathlib.Path) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+    return ocp.CheckpointManager((out_dir / "checkpoints").absolute(), options=options)
+
+
+def _state(model, optimizer):
+    return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+
+
+def save_checkpoint(manager, step: int, model, optimizer) -> None:
+    manager.save(step, args=ocp.args.StandardSave(_state(model, optimizer)))
+    manager.wait_until_finished()
+
+
+def restore_checkpoint(manager, model, optimizer, step: int | None = None) -> int:
+    """Load checkpoint ``step`` (default: newest) into model and optimizer; returns the step."""
+    step = manager.latest_step() if step is None else step
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(model, optimizer))
+    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+    nnx.update(model, restored["model"])
+    nnx.update(optimizer, restored["optimizer"])
+    return step
+
+
+def load_trained(out_dir) -> tuple[VisionMoE, TrainConfig]:
+    """The model of a finished (or interrupted) run from its folder, newest checkpoint."""
+    out_dir = pathlib.Path(out_dir)
+    cfg = config_from_json(json.loads((out_dir / "config.json").read_text()))
+    model = make_model(cfg)
+    manager = _manager(out_dir)
+    if manager.latest_step() is None:
+        raise ValueError(f"No checkpoint in {out_dir / 'checkpoints'}; train first (python -m mini_moe train).")
+    restore_checkpoint(manager, model, make_optimizer(model, cfg))
+    model.eval()
+    return model, cfg
+
+
+def config_to_json(cfg: TrainConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(obj: dict) -> TrainConfig:
+    model = dict(obj["model"])
+    model["router_kwargs"] = tuple(tuple(kv) for kv in model.get("router_kwargs", ()))
+    return TrainConfig(**{**obj, "model": ModelConfig(**model)})
+
+
+# ---------------------------------------------------------------------- train
+
+
+def batch_at(dataset, cfg: TrainConfig, step: int):
+    """The training batch of ``step``: a function of (seed, step) only."""
+    per_epoch = len(dataset.labels) // cfg.batch_size
+    if per_epoch < 1:
+        raise ValueError(f"batch_size={cfg.batch_size} is larger than the training set ({len(dataset.labels)}).")
+    epoch, index = divmod(step, per_epoch)
+    order = data_lib.epoch_order(len(dataset.labels), seed=cfg.seed, epoch=epoch)
+    rows = order[index * cfg.batch_size : (index + 1) * cfg.batch_size]
+    images, labels = dataset.images[rows], dataset.labels[rows]
+    if cfg.augment:
+        rng = np.random.default_rng((cfg.seed, step))
+        images, _ = data_lib.random_resized_crop(rng, images, out_size=images.shape[1])
+    return images, labels
+
+
+def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = True, datasets=None) -> dict:
+    """Train ``cfg`` into ``out_dir``; returns the history (also written as JSON).
+
+    Args:
+      cfg: the run's configuration.
+      out_dir: folder for config, checkpoints and history.
+      resume: continue from the newest checkpoint in ``out_dir`` if there is one.
+      progress: show a progress bar.
+      datasets: optional ``(train, test)`` already loaded and standardised.
+    """
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = out_dir / "config.json"
+    if resume and config_path.exists():
+        saved = json.loads(config_path.read_text())
+        if saved != json.loads(json.dumps(config_to_json(cfg))):
+            raise ValueError(
+                f"{out_dir} holds a run with a different configuration; use another out_dir or resume=False."
+            )
+    config_path.write_text(json.dumps(config_to_json(cfg), indent=2))
+    train_ds, test_ds = datasets if datasets is not None else load_data(cfg)
+
+    model = make_model(cfg)
+    optimizer = make_optimizer(model, cfg)
+    manager = _manager(out_dir)
+    history_path = out_dir / "history.json"
+    history = {"train": [], "eval": [], "seconds": 0.0}
+    start = 0
+    if resume and manager.latest_step() is not None:
+        start = restore_checkpoint(manager, model, optimizer)
+        if history_path.exists():
+            history = json.loads(history_path.read_text())
+            history["train"] = [r for r in history["train"] if r["step"] <= start]
+            history["eval"] = [r for r in history["eval"] if r["step"] <= start]
+    model.train()
+
+    def write_history():
+        history_path.write_text(json.dumps(history, indent=1))
+
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"{cfg.model.router or 'dense'}")
+    clock = time.perf_counter()
+    elapsed0 = history["seconds"]
+    step = start
+    for step in range(start, cfg.steps):
+        images, labels = batch_at(train_ds, cfg, step)
+        stats = train_step(model, optimizer, jnp.asarray(images), jnp.asarray(labels), cfg.aux_loss_weight)
+        loss = float(stats["loss"])
+        if not math.isfinite(loss) or not math.isfinite(float(stats["aux_loss"])):
+            last = manager.latest_step()
+            write_history()
+            bar.close()
+            raise ValueError(
+                f"loss is not finite at step {step} (loss={loss}, aux_loss={float(stats['aux_loss'])}); "
+                f"training stopped. The last good checkpoint is step {last} in {out_dir / 'checkpoints'}. "
+                "Lower learning_rate or raise grad clipping, then resume."
+            )
+        done = step + 1
+        history["seconds"] = elapsed0 + time.perf_counter() - clock
+        if done % 50 == 0 or done == cfg.steps:
+            row = {"step": done, "seconds": round(history["seconds"], 2)}
+            row.update({k: float(v) for k, v in stats.items() if k != "router"})
+            row.update({f"router/{k}": float(v) for k, v in stats["router"].items()})
+            history["train"].append(row)
+            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{float(stats['accuracy']):.3f}")
+        out_of_time = cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds
+        if done % cfg.eval_every == 0 or done == cfg.steps or out_of_time:
+            acc = evaluate_accuracy(model, test_ds, cfg.eval_batch_size)
+            history["eval"].append({"step": done, "seconds": round(history["seconds"], 2), "test_accuracy": acc})
+            bar.write(f"step {done}: test accuracy {acc:.4f}") if progress else None
+        if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:
+            save_checkpoint(manager, done, model, optimizer)
+            write_history()
+        bar.update(1)
+        if out_of_time:
+            break
+    bar.close()
+    write_history()
+    return history
