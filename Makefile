@@ -1,0 +1,56 @@
+# mini_moe: build the book, run the tests.
+#
+#   make book   the main job: execute every chapter and build the HTML into _build/html
+#   make test   unit tests, every chapter under nbval, and the notebook-pair checks
+#   make sync   after editing book/NN_topic.md: update its .ipynb twin (outputs stripped)
+#
+# Everything runs inside a virtual environment in .venv, created on first use from
+# pyproject.toml (needs network access to PyPI only).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.mini_moe-installed
+CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
+CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
+
+.PHONY: venv book test unit nbval check-notebooks sync refresh clean
+
+venv: $(STAMP)
+
+# Re-install when the dependency list changes; the stamp keeps later runs instant.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e '.[test,book]'
+	touch $(STAMP)
+
+# A stale _build/.doctrees can hide failing cells, so every build starts from scratch.
+book: venv
+	rm -rf _build
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	@echo "HTML: _build/html/index.html"
+
+test: check-notebooks unit nbval
+
+unit: venv
+	$(PY) -m pytest tests
+
+# --nbval-current-env runs the chapters with the kernel of this venv.
+nbval: venv
+	$(PY) -m pytest --nbval-lax --nbval-current-env $(CHAPTERS_NB)
+
+check-notebooks: venv
+	$(PY) .ci/notebooks.py check
+
+sync: venv
+	$(VENV)/bin/jupytext --sync $(CHAPTERS_MD)
+	$(PY) .ci/notebooks.py strip
+	$(PY) .ci/notebooks.py refresh
+
+# Re-record the reference outputs of every `# NBVAL_CHECK_OUTPUT` cell.
+refresh: venv
+	$(PY) .ci/notebooks.py refresh --all
+
+clean:
+	rm -rf _build .pytest_cache .hypothesis
