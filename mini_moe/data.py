@@ -1,0 +1,600 @@
+"""Data: image datasets, batching, and augmentation with known geometry.
+
+Everything here is plain NumPy, so it is fast on a CPU and neutral about the framework
+that consumes the arrays (``jnp.asarray(batch)`` puts a batch on the device).
+
+Datasets (:func:`load`), in the order "works offline first" (DESIGN.md, Section 4):
+
+* ``"digits"`` — scikit-learn's 8x8 digits; ships inside scikit-learn, no network, no
+  extra install. A fixed stratified split: 1497 train / 300 test images.
+* ``"fashion_mnist"`` — 28x28x1, 60000 / 10000. Read from the four IDX files of
+  ``data_dir``, else of ``/usr/share/datasets/fashion-mnist`` (Debian/Ubuntu:
+  ``sudo apt-get install dataset-fashion-mnist``), else through tensorflow-datasets.
+* ``"cifar10"``, ``"cifar100"`` — 32x32x3, 50000 / 10000, through tensorflow-datasets'
+  ``tfds.data_source`` (random access to prepared ArrayRecord files; TensorFlow is not
+  needed to read them). Install with ``pip install "mini_moe[tfds]"``.
+
+Every :class:`Dataset` holds ``images`` as ``float32 [N, H, W, C]`` in ``[0, 1]`` and
+``labels`` as ``int32 [N]``.
+
+Batches (:func:`batches`): the order of an epoch depends only on ``(seed, epoch)``, so a
+run is reproducible and a resumed run continues exactly where it stopped.
+
+Augmentation (:func:`random_resized_crop`) returns each view together with its geometry, a
+:class:`CropTransform`, so that Pairwise Router Consistency (paper 004, Section III.C) can
+match the patches of two views of one image (:func:`patch_correspondence`).
+
+Coordinates. Image coordinates are continuous ``(y, x)`` pairs in pixel units: pixel
+``(i, j)`` covers ``[i, i + 1) x [j, j + 1)`` and its centre is ``(i + 0.5, j + 0.5)``
+(the "half-pixel" convention of ``jax.image.resize`` and torchvision). A crop box
+``(top, left, height, width)`` is given in the source image's coordinates, and the view of
+size ``S x S`` is the box stretched onto ``[0, S) x [0, S)`` (then mirrored left-right if
+``flip``), so every coordinate map here is an exact affine map of the plane.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import math
+import os
+import pathlib
+from typing import Any, Iterator, NamedTuple, Sequence
+
+import numpy as np
+
+__all__ = [
+    "DATASETS", "Dataset", "load", "read_idx", "normalize", "batches", "num_batches",
+    "CropTransform", "random_resized_crop", "resample", "to_source", "from_source",
+    "view_resolution", "patch_correspondence",
+]
+
+DATASETS = ("digits", "fashion_mnist", "cifar10", "cifar100")
+SPLITS = ("train", "test")
+
+#: Where Debian's package ``dataset-fashion-mnist`` installs the four ``.gz`` IDX files.
+FASHION_MNIST_DIR = pathlib.Path("/usr/share/datasets/fashion-mnist")
+
+_NUM_CLASSES = {"digits": 10, "fashion_mnist": 10, "cifar10": 10, "cifar100": 100}
+_DIGITS_NUM_TEST = 300
+_DIGITS_SEED = 0
+
+_TFDS_HINT = 'pip install "mini_moe[tfds]" (i.e. pip install tensorflow-datasets)'
+_TFDS_PREPARE = (
+    "tensorflow-datasets downloads and prepares a dataset once, which needs network\n"
+    "access and, to encode the images, TensorFlow (pip install tensorflow); reading the\n"
+    "prepared files later needs neither. Or prepare it on another machine\n"
+    "(tfds build NAME --file_format=array_record) and pass that folder as data_dir.")
+_FASHION_HINT = (
+    "Fashion-MNIST was not found. Get it in one of these ways:\n"
+    "  * Debian/Ubuntu: sudo apt-get install dataset-fashion-mnist\n"
+    f"    (puts the four IDX files in {FASHION_MNIST_DIR});\n"
+    f"  * {_TFDS_HINT}\n"
+    "    and network access once: the data goes to data_dir (default\n"
+    "    ~/tensorflow_datasets or $TFDS_DATA_DIR); preparing it also needs TensorFlow;\n"
+    "  * or put train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz,\n"
+    "    t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz (plain or .gz) in a folder\n"
+    '    and call load("fashion_mnist", data_dir=that_folder).'
+)
+
+
+# --------------------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dataset:
+    """One split of an image classification dataset, held in memory.
+
+    Attributes:
+      images: ``float32 [N, H, W, C]``, values in ``[0, 1]``.
+      labels: ``int32 [N]``, values in ``[0, num_classes)``.
+      num_classes: number of classes.
+      name: one of :data:`DATASETS`.
+      split: ``"train"`` or ``"test"``.
+    """
+
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+    name: str
+    split: str
+
+    def __post_init__(self):
+        if self.images.ndim != 4:
+            raise ValueError(f"images must be [N, H, W, C], got shape {self.images.shape}")
+        if self.labels.shape != self.images.shape[:1]:
+            raise ValueError(
+                f"labels must be [N] with N = {self.images.shape[0]}, "
+                f"got shape {self.labels.shape}")
+
+    @property
+    def image_size(self) -> int:
+        """H, the image height (all datasets here have square images)."""
+        return self.images.shape[1]
+
+    @property
+    def channels(self) -> int:
+        """C, the number of colour channels."""
+        return self.images.shape[3]
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __repr__(self) -> str:
+        return (f"Dataset(name={self.name!r}, split={self.split!r}, "
+                f"images={self.images.shape}, num_classes={self.num_classes})")
+
+
+def load(name: str, split: str = "train", *, data_dir: str | os.PathLike | None = None
+         ) -> Dataset:
+    """Loads one split of a dataset into memory.
+
+    Args:
+      name: one of :data:`DATASETS`.
+      split: ``"train"`` or ``"test"``.
+      data_dir: for ``"fashion_mnist"``, a folder with the four IDX files (plain or
+        ``.gz``); if they are not there, it is used as the tensorflow-datasets
+        ``data_dir``. For ``"cifar10"`` / ``"cifar100"``, the tensorflow-datasets
+        ``data_dir`` (default ``~/tensorflow_datasets`` or ``$TFDS_DATA_DIR``).
+        Ignored for ``"digits"``.
+
+    Returns:
+      A :class:`Dataset` with ``float32 [N, H, W, C]`` images in ``[0, 1]`` and
+      ``int32 [N]`` labels.
+
+    Raises:
+      ValueError: unknown ``name`` or ``split``.
+      FileNotFoundError: the data is not available; the message says how to get it.
+      ImportError: CIFAR needs tensorflow-datasets, which is not installed.
+    """
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset name {name!r}; expected one of {DATASETS}")
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+    if name == "digits":
+        images, labels = _load_digits(split)
+    elif name == "fashion_mnist":
+        images, labels = _load_fashion_mnist(split, data_dir)
+    else:
+        images, labels = _load_tfds(name, split, data_dir)
+    return Dataset(images=images, labels=labels, num_classes=_NUM_CLASSES[name],
+                   name=name, split=split)
+
+
+def _load_digits(split: str) -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    images = (np.asarray(digits.images, np.float32) / 16.0)[..., None]  # [1797, 8, 8, 1]
+    labels = np.asarray(digits.target, np.int32)
+    test = _stratified_test_mask(labels, _DIGITS_NUM_TEST, seed=_DIGITS_SEED)
+    keep = test if split == "test" else ~test
+    return images[keep], labels[keep]
+
+
+def _stratified_test_mask(labels: np.ndarray, num_test: int, *, seed: int) -> np.ndarray:
+    """A boolean mask choosing exactly ``num_test`` examples, stratified by label.
+
+    The examples are shuffled with a fixed seed, grouped by class (stable sort, so each
+    class stays shuffled) and every (N / num_test)-th one is taken: each class gets its
+    proportional share, within one example.
+    """
+    n = labels.shape[0]
+    order = np.random.default_rng(seed).permutation(n)
+    order = order[np.argsort(labels[order], kind="stable")]
+    rank = np.arange(n)
+    take = (rank + 1) * num_test // n > rank * num_test // n  # exactly num_test Trues
+    mask = np.zeros(n, bool)
+    mask[order[take]] = True
+    return mask
+
+
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_idx(path: str | os.PathLike) -> np.ndarray:
+    """Reads an IDX file (the MNIST / Fashion-MNIST format), plain or gzip-compressed.
+
+    The header is two zero bytes, a type code (``0x08`` = uint8, ``0x09`` = int8, ``0x0B``
+    = int16, ``0x0C`` = int32, ``0x0D`` = float32, ``0x0E`` = float64), the number of
+    dimensions, then each dimension as a big-endian uint32; the data follows, big-endian.
+
+    Returns:
+      The array, with the file's shape and type (native byte order).
+    """
+    path = pathlib.Path(path)
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
+        raise ValueError(f"{path} is not an IDX file (header {data[:4].hex()})")
+    dtype = np.dtype(_IDX_DTYPES[data[2]])
+    ndim = data[3]
+    offset = 4 + 4 * ndim
+    dims = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
+    if len(data) - offset != math.prod(dims) * dtype.itemsize:
+        raise ValueError(f"{path}: header says shape {dims} of {dtype}, "
+                         f"but the file holds {len(data) - offset} data bytes")
+    array = np.frombuffer(data, dtype, offset=offset).reshape(dims)
+    return array.astype(dtype.newbyteorder("="))
+
+
+def _find_idx_files(folder: pathlib.Path, split: str) -> tuple[pathlib.Path, pathlib.Path] | None:
+    prefix = "train" if split == "train" else "t10k"
+    found = []
+    for stem in (f"{prefix}-images-idx3-ubyte", f"{prefix}-labels-idx1-ubyte"):
+        candidates = [folder / stem, folder / f"{stem}.gz"]
+        path = next((p for p in candidates if p.is_file()), None)
+        if path is None:
+            return None
+        found.append(path)
+    return found[0], found[1]
+
+
+def _load_fashion_mnist(split, data_dir) -> tuple[np.ndarray, np.ndarray]:
+    folder = pathlib.Path(data_dir) if data_dir is not None else FASHION_MNIST_DIR
+    files = _find_idx_files(folder, split)
+    if files is not None:
+        images, labels = read_idx(files[0]), read_idx(files[1])
+        if images.ndim != 3 or labels.shape != images.shape[:1]:
+            raise ValueError(f"{files[0]} / {files[1]}: expected images [N, H, W] and labels "
+                             f"[N], got {images.shape} and {labels.shape}")
+        return _to_unit_float(images)[..., None], labels.astype(np.int32)
+    try:
+        return _load_tfds("fashion_mnist", split, data_dir)
+    except (ImportError, FileNotFoundError) as e:
+        cause = e.__cause__ if isinstance(e, FileNotFoundError) and e.__cause__ else e
+        raise FileNotFoundError(
+            f"{_FASHION_HINT}\n(No IDX files in {folder}; the tensorflow-datasets fallback "
+            f"failed with {_short(cause)})") from e
+
+
+def _import_tfds():
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ImportError(f"this dataset needs tensorflow-datasets: {_TFDS_HINT}") from e
+    return tfds
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _load_tfds(name, split, data_dir) -> tuple[np.ndarray, np.ndarray]:
+    """Reads a whole split through ``tfds.data_source`` (no TensorFlow needed to read)."""
+    tfds = _import_tfds()
+    try:
+        source = tfds.data_source(
+            name, split=split, data_dir=None if data_dir is None else os.fspath(data_dir))
+    except Exception as e:  # download / preparation failures come from deep inside tfds
+        raise FileNotFoundError(
+            f"tensorflow-datasets could not provide {name!r} split {split!r} "
+            f"(data_dir={data_dir or '~/tensorflow_datasets or $TFDS_DATA_DIR'}).\n"
+            f"{_TFDS_PREPARE.replace('NAME', name)}\nCause: {_short(e)}") from e
+    n = len(source)
+    if n == 0:
+        raise FileNotFoundError(f"tensorflow-datasets returned an empty {name!r} {split!r}")
+    first = source[0]
+    image0 = np.asarray(first["image"])
+    images = np.empty((n, *image0.shape), np.uint8)
+    labels = np.empty((n,), np.int32)
+    for i in range(n):  # BaseDataSource.__getitem__: one decoded example (a dict)
+        example = first if i == 0 else source[i]
+        images[i] = example["image"]
+        labels[i] = example["label"]
+    if images.ndim == 3:
+        images = images[..., None]
+    return _to_unit_float(images), labels
+
+
+def _to_unit_float(images: np.ndarray) -> np.ndarray:
+    """uint8 -> float32 in [0, 1], in one pass over a fresh array."""
+    out = images.astype(np.float32)
+    np.divide(out, 255.0, out=out)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# Normalisation and batches
+# --------------------------------------------------------------------------------------
+
+
+def normalize(images: np.ndarray, mean: np.ndarray | None = None,
+              std: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-channel standardisation ``(images - mean) / std``.
+
+    Compute the statistics on the training images and reuse them for the test images::
+
+        x_train, mean, std = normalize(train.images)
+        x_test, _, _ = normalize(test.images, mean, std)
+
+    Args:
+      images: ``[..., C]`` (e.g. ``[N, H, W, C]``).
+      mean, std: ``[C]``; both default to the statistics of ``images`` over all axes but
+        the last (a channel with zero spread gets ``std = 1``).
+
+    Returns:
+      ``(normalized float32 [..., C], mean float32 [C], std float32 [C])``.
+    """
+    images = np.asarray(images, np.float32)
+    axes = tuple(range(images.ndim - 1))
+    if (mean is None) != (std is None):
+        raise ValueError("pass both mean and std, or neither")
+    if mean is None:
+        mean = images.mean(axis=axes, dtype=np.float64)
+        std = images.std(axis=axes, dtype=np.float64)
+        std = np.where(std > 1e-12, std, 1.0)
+    mean = np.asarray(mean, np.float32)
+    std = np.asarray(std, np.float32)
+    if mean.shape != (images.shape[-1],) or std.shape != (images.shape[-1],):
+        raise ValueError(f"mean and std must have shape [C] = ({images.shape[-1]},), got "
+                         f"{mean.shape} and {std.shape}")
+    return (images - mean) / std, mean, std
+
+
+def num_batches(num_examples: int, batch_size: int, *, drop_remainder: bool = True) -> int:
+    """How many batches :func:`batches` yields per epoch."""
+    if drop_remainder:
+        return num_examples // batch_size
+    return -(-num_examples // batch_size)
+
+
+def batches(data: Dataset | Sequence[np.ndarray], batch_size: int, *, seed: int,
+            epoch: int = 0, shuffle: bool = True, drop_remainder: bool = True,
+            start: int = 0) -> Iterator[tuple[np.ndarray, ...]]:
+    """Iterates over one epoch in batches.
+
+    The permutation of an epoch depends only on ``(seed, epoch)``. To resume a run at
+    global step ``s`` (counting from 0), with ``k = num_batches(N, batch_size)`` batches
+    per epoch, call ``batches(..., epoch=s // k, start=s % k)`` and then continue with
+    the following epochs as usual: the batches are exactly those of an uninterrupted run.
+
+    Args:
+      data: a :class:`Dataset` (yields ``(images, labels)``), or a tuple of arrays with a
+        common leading axis N (yields a tuple of the same length).
+      batch_size: B.
+      seed, epoch: select the permutation (``np.random.default_rng((seed, epoch))``).
+      shuffle: if False, the batches follow the stored order.
+      drop_remainder: drop the last batch if it has fewer than B examples.
+      start: index of the first batch to yield within this epoch.
+
+    Yields:
+      Tuples of arrays ``[B, ...]`` (the last one may be shorter if not
+      ``drop_remainder``).
+    """
+    arrays = (data.images, data.labels) if isinstance(data, Dataset) else tuple(data)
+    if not arrays:
+        raise ValueError("data must be a Dataset or a non-empty tuple of arrays")
+    n = len(arrays[0])
+    if any(len(a) != n for a in arrays):
+        raise ValueError(f"arrays must share their leading axis, got {[len(a) for a in arrays]}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if drop_remainder and batch_size > n:
+        raise ValueError(f"batch_size={batch_size} > {n} examples: with drop_remainder=True "
+                         "an epoch would be empty")
+    if seed < 0 or epoch < 0 or start < 0:
+        raise ValueError(f"seed, epoch and start must be >= 0, got {seed}, {epoch}, {start}")
+    order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
+    count = num_batches(n, batch_size, drop_remainder=drop_remainder)
+
+    def generate():
+        for b in range(start, count):
+            index = order[b * batch_size:(b + 1) * batch_size]
+            yield tuple(a[index] for a in arrays)
+
+    return generate()
+
+
+# --------------------------------------------------------------------------------------
+# Augmentation with known geometry (paper 004, Section III.C)
+# --------------------------------------------------------------------------------------
+
+
+class CropTransform(NamedTuple):
+    """Where each view came from: a crop box of the source image and a flip flag.
+
+    All fields are arrays of shape ``[B]``. The box ``(top, left, height, width)`` is in
+    the source image's continuous pixel coordinates (see the module docstring); the view
+    of size ``S x S`` shows the box stretched to ``[0, S) x [0, S)``, mirrored left-right
+    when ``flip``. :func:`to_source` and :func:`from_source` apply the map.
+    """
+
+    top: np.ndarray     # float64 [B]
+    left: np.ndarray    # float64 [B]
+    height: np.ndarray  # float64 [B]
+    width: np.ndarray   # float64 [B]
+    flip: np.ndarray    # bool [B]
+
+    @classmethod
+    def full(cls, batch: int, height: float, width: float, *, flip: Any = False
+             ) -> "CropTransform":
+        """The whole ``height x width`` image, optionally flipped (bool or bool ``[B]``)."""
+        return cls(np.zeros(batch), np.zeros(batch), np.full(batch, float(height)),
+                   np.full(batch, float(width)), np.broadcast_to(np.asarray(flip, bool), (batch,)))
+
+
+def to_source(transforms: CropTransform, yx: np.ndarray, *, out_size: int) -> np.ndarray:
+    """Maps view coordinates to source-image coordinates.
+
+    Args:
+      transforms: the views' :class:`CropTransform` (fields ``[B]``).
+      yx: ``[B, K, 2]`` or ``[K, 2]`` (the same points for every view): continuous
+        ``(y, x)`` coordinates in the ``out_size x out_size`` view; the centre of view
+        pixel ``(i, j)`` is ``(i + 0.5, j + 0.5)``.
+      out_size: S, the side of the views.
+
+    Returns:
+      ``float64 [B, K, 2]``: the same points in source-image coordinates.
+    """
+    t = _fields(transforms)
+    yx = np.asarray(yx, np.float64)
+    y, x = yx[..., 0], yx[..., 1]
+    x = np.where(t.flip[:, None], out_size - x, x)
+    return np.stack([t.top[:, None] + y * (t.height[:, None] / out_size),
+                     t.left[:, None] + x * (t.width[:, None] / out_size)], axis=-1)
+
+
+def from_source(transforms: CropTransform, yx: np.ndarray, *, out_size: int) -> np.ndarray:
+    """The inverse of :func:`to_source`: source coordinates ``[B, K, 2]`` (or ``[K, 2]``)
+    to view coordinates ``float64 [B, K, 2]`` (outside ``[0, out_size)`` = not in view)."""
+    t = _fields(transforms)
+    yx = np.asarray(yx, np.float64)
+    y = (yx[..., 0] - t.top[:, None]) * (out_size / t.height[:, None])
+    x = (yx[..., 1] - t.left[:, None]) * (out_size / t.width[:, None])
+    x = np.where(t.flip[:, None], out_size - x, x)
+    return np.stack([y, x], axis=-1)
+
+
+def _fields(transforms: CropTransform) -> CropTransform:
+    return CropTransform(*(np.asarray(f, np.float64) for f in transforms[:4]),
+                         np.asarray(transforms.flip, bool))
+
+
+def resample(images: np.ndarray, transforms: CropTransform, *, out_size: int) -> np.ndarray:
+    """Renders each view: its crop box resized to ``out_size x out_size`` (then flipped).
+
+    Bilinear interpolation at the source point of every view pixel centre (half-pixel
+    convention, edges replicated), vectorised over the batch. The crop is axis-aligned,
+    so interpolation is separable: rows first, then columns.
+
+    Args:
+      images: ``[B, H, W, C]`` (any real dtype).
+      transforms: :class:`CropTransform` with fields ``[B]``.
+      out_size: S.
+
+    Returns:
+      ``float32 [B, S, S, C]``.
+    """
+    images = np.asarray(images, np.float32)
+    if images.ndim != 4:
+        raise ValueError(f"images must be [B, H, W, C], got shape {images.shape}")
+    b, h, w, _ = images.shape
+    centres = np.arange(out_size) + 0.5
+    grid = np.stack([centres, centres], axis=-1)          # [S, 2]: (y_i, x_i) for i < S
+    src = to_source(transforms, grid, out_size=out_size)  # [B, S, 2]
+    if src.shape[0] != b:
+        raise ValueError(f"transforms describe {src.shape[0]} views, images has {b}")
+    y0, y1, wy = _bilinear_taps(src[..., 0], h)           # [B, S] each
+    x0, x1, wx = _bilinear_taps(src[..., 1], w)
+    bi = np.arange(b)[:, None]
+    rows = (images[bi, y0] * (1 - wy)[..., None, None]
+            + images[bi, y1] * wy[..., None, None])       # [B, S, W, C]
+    bi, si = bi[:, :, None], np.arange(out_size)[None, :, None]
+    return (rows[bi, si, x0[:, None, :]] * (1 - wx)[:, None, :, None]
+            + rows[bi, si, x1[:, None, :]] * wx[:, None, :, None])  # [B, S, S, C]
+
+
+def _bilinear_taps(coord: np.ndarray, size: int):
+    """Neighbouring pixel indices and the weight of the second one, edges replicated."""
+    f = np.clip(coord - 0.5, 0.0, size - 1)  # continuous index: pixel i has centre i + 0.5
+    i0 = np.floor(f).astype(np.int64)
+    i1 = np.minimum(i0 + 1, size - 1)
+    return i0, i1, (f - i0).astype(np.float32)
+
+
+def random_resized_crop(rng: np.random.Generator, images: np.ndarray, *, out_size: int,
+                        scale: tuple[float, float] = (0.35, 1.0),
+                        ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True
+                        ) -> tuple[np.ndarray, CropTransform]:
+    """Inception-style random crop, resized to ``out_size``, with a random horizontal flip.
+
+    The box is drawn as in torchvision's ``RandomResizedCrop``: area ``~ U(scale) * H * W``,
+    aspect ``w / h ~ logU(ratio)``, integer sides and position, 10 attempts per image, then
+    a centre crop (of the whole image clipped to ``ratio``) for images where all failed.
+    With ``flip``, each view is mirrored with probability 1/2.
+
+    Args:
+      rng: a ``np.random.Generator`` (all randomness comes from it).
+      images: ``[B, H, W, C]``.
+      out_size: S, the side of the square views.
+      scale, ratio: ranges of the box's area fraction and of its aspect ratio w / h.
+      flip: whether to flip at random.
+
+    Returns:
+      ``(views float32 [B, S, S, C], transforms)``: a :class:`CropTransform` with one box
+      and flip flag per image; ``to_source(transforms, yx, out_size=S)`` maps view
+      coordinates back to the source image.
+    """
+    images = np.asarray(images)
+    if images.ndim != 4:
+        raise ValueError(f"images must be [B, H, W, C], got shape {images.shape}")
+    if not (0 < scale[0] <= scale[1] <= 1) or not (0 < ratio[0] <= ratio[1]):
+        raise ValueError(f"need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], "
+                         f"got scale={scale}, ratio={ratio}")
+    b, h, w, _ = images.shape
+    attempts = 10
+    area = h * w * rng.uniform(scale[0], scale[1], size=(b, attempts))
+    aspect = np.exp(rng.uniform(math.log(ratio[0]), math.log(ratio[1]), size=(b, attempts)))
+    ws = np.round(np.sqrt(area * aspect))
+    hs = np.round(np.sqrt(area / aspect))
+    ok = (ws >= 1) & (ws <= w) & (hs >= 1) & (hs <= h)
+    first = np.argmax(ok, axis=1)
+    crop_h = hs[np.arange(b), first]
+    crop_w = ws[np.arange(b), first]
+    # Fallback (as torchvision): the largest centred box of the image with aspect in ratio.
+    aspect_img = w / h
+    if aspect_img < ratio[0]:
+        fb_w, fb_h = w, round(w / ratio[0])
+    elif aspect_img > ratio[1]:
+        fb_w, fb_h = round(h * ratio[1]), h
+    else:
+        fb_w, fb_h = w, h
+    failed = ~ok.any(axis=1)
+    crop_h = np.where(failed, fb_h, crop_h)
+    crop_w = np.where(failed, fb_w, crop_w)
+    top = rng.integers(0, h - crop_h.astype(np.int64) + 1).astype(np.float64)
+    left = rng.integers(0, w - crop_w.astype(np.int64) + 1).astype(np.float64)
+    top = np.where(failed, (h - fb_h) // 2, top)
+    left = np.where(failed, (w - fb_w) // 2, left)
+    flips = rng.random(b) < 0.5 if flip else np.zeros(b, bool)
+    transforms = CropTransform(top, left, crop_h, crop_w, flips)
+    return resample(images, transforms, out_size=out_size), transforms
+
+
+def view_resolution(transforms: CropTransform, *, out_size: int) -> np.ndarray:
+    """``float64 [B]``: view pixels per source pixel (geometric mean over y and x).
+
+    Paper 004 makes the higher-resolution view of each pair "image 1" of
+    :func:`patch_correspondence`, which keeps the most corresponding patches.
+    """
+    t = _fields(transforms)
+    return out_size / np.sqrt(t.height * t.width)
+
+
+def patch_correspondence(transforms1: CropTransform, transforms2: CropTransform, *,
+                         out_size1: int, out_size2: int, patch_size: int
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """Matches every patch of view 1 with the nearest patch of view 2 (paper 004, III.C).
+
+    Each view-1 patch centre is mapped to the source image (``transforms1``), then into
+    view 2's pixel grid (``transforms2``); its partner is the view-2 patch whose centre is
+    nearest there, i.e. the patch containing the point (clipped to the grid). The map is
+    asymmetric: paper 004 calls the higher-resolution view of a pair "image 1" (see
+    :func:`view_resolution`); ordering the two views is the caller's job.
+
+    Args:
+      transforms1, transforms2: :class:`CropTransform` of the two views (fields ``[B]``).
+      out_size1, out_size2: sides S1, S2 of the views; multiples of ``patch_size``.
+      patch_size: side of the (ViT) patches, the same in both views.
+
+    Returns:
+      ``(index int32 [B, P1], valid bool [B, P1])`` with ``P1 = (S1 // patch_size) ** 2``,
+      patches numbered row-major: ``index[b, p1]`` is the row-major index of view 2's
+      patch matched to view 1's patch ``p1``; ``valid[b, p1]`` says whether the point
+      lies inside view 2 (the pair ``(p1, index)`` belongs to U_x of eq. 3).
+    """
+    for name, size in (("out_size1", out_size1), ("out_size2", out_size2)):
+        if size % patch_size:
+            raise ValueError(f"{name}={size} must be a multiple of patch_size={patch_size}")
+    n1, n2 = out_size1 // patch_size, out_size2 // patch_size
+    c = (np.arange(n1) + 0.5) * patch_size
+    yx1 = np.stack(np.meshgrid(c, c, indexing="ij"), axis=-1).reshape(-1, 2)  # [P1, 2]
+    yx2 = from_source(transforms2, to_source(transforms1, yx1, out_size=out_size1),
+                      out_size=out_size2)                                     # [B, P1, 2]
+    valid = np.all((yx2 >= 0) & (yx2 < out_size2), axis=-1)
+    ij = np.clip(np.floor(yx2 / patch_size), 0, n2 - 1).astype(np.int32)
+    return ij[..., 0] * n2 + ij[..., 1], valid

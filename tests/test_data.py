@@ -1,0 +1,355 @@
+"""Tests of mini_moe.data: datasets, batches, augmentation geometry, patch correspondence."""
+
+import gzip
+import struct
+import sys
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds  # in the "test" extra; needs no TensorFlow
+
+from mini_moe import data
+
+
+# ---------------------------------------------------------------------------- digits
+
+
+def test_digits_shapes_range_and_classes():
+    train, test = data.load("digits"), data.load("digits", "test")
+    assert train.images.shape == (1497, 8, 8, 1) and test.images.shape == (300, 8, 8, 1)
+    for ds in (train, test):
+        assert ds.images.dtype == np.float32 and ds.labels.dtype == np.int32
+        assert ds.images.min() == 0.0 and ds.images.max() == 1.0
+        assert ds.num_classes == 10 and ds.image_size == 8 and ds.channels == 1
+        assert set(np.unique(ds.labels)) == set(range(10))  # every class in both splits
+    assert (train.name, train.split, test.split) == ("digits", "train", "test")
+
+
+def test_digits_split_is_disjoint_deterministic_and_stratified():
+    from sklearn.datasets import load_digits
+
+    train, test = data.load("digits"), data.load("digits", "test")
+
+    def as_bytes(ds):
+        return [(x.tobytes(), int(y)) for x, y in zip(ds.images, ds.labels)]
+
+    # Disjoint and complete: together they are exactly the 1797 digits (with multiplicity).
+    everything = load_digits()
+    full = [((x / 16.0).astype(np.float32)[..., None].tobytes(), int(y))
+            for x, y in zip(everything.images, everything.target)]
+    assert sorted(as_bytes(train) + as_bytes(test)) == sorted(full)
+    train_set = {b for b, _ in as_bytes(train)}
+    test_set = {b for b, _ in as_bytes(test)}
+    duplicates = len(full) - len({b for b, _ in full})  # identical images in load_digits
+    assert len(train_set & test_set) <= duplicates
+    # The same on every load.
+    again = data.load("digits", "test")
+    np.testing.assert_array_equal(again.images, test.images)
+    np.testing.assert_array_equal(again.labels, test.labels)
+    # Stratified: each class gets its proportional share of the 300, within one.
+    share = np.bincount(everything.target, minlength=10) * 300 / 1797
+    assert np.all(np.abs(np.bincount(test.labels, minlength=10) - share) <= 1)
+
+
+def test_unknown_name_or_split_is_a_value_error():
+    with pytest.raises(ValueError, match="cifar100"):  # the message lists DATASETS
+        data.load("imagenet")
+    with pytest.raises(ValueError, match="'train' or 'test'"):
+        data.load("digits", "validation")
+
+
+# ---------------------------------------------------------------------- fashion_mnist
+
+
+def _write_idx(path, array, gz):
+    codes = {np.uint8: 0x08, np.int8: 0x09, np.int16: 0x0B, np.int32: 0x0C,
+             np.float32: 0x0D, np.float64: 0x0E}
+    header = bytes([0, 0, codes[array.dtype.type], array.ndim])
+    header += struct.pack(f">{array.ndim}I", *array.shape)
+    payload = header + array.astype(array.dtype.newbyteorder(">")).tobytes()
+    if gz:
+        path = path.with_name(path.name + ".gz")
+        payload = gzip.compress(payload)
+    path.write_bytes(payload)
+
+
+def _write_fashion(folder, gz, rng):
+    arrays = {}
+    for prefix, n in (("train", 7), ("t10k", 5)):
+        images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=n, dtype=np.uint8)
+        _write_idx(folder / f"{prefix}-images-idx3-ubyte", images, gz)
+        _write_idx(folder / f"{prefix}-labels-idx1-ubyte", labels, gz)
+        arrays[prefix] = images, labels
+    return arrays
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_fashion_mnist_reads_idx_files_exactly(tmp_path, gz):
+    arrays = _write_fashion(tmp_path, gz, np.random.default_rng(int(gz)))
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        ds = data.load("fashion_mnist", split, data_dir=tmp_path)
+        images, labels = arrays[prefix]
+        assert ds.images.shape == (len(labels), 28, 28, 1) and ds.images.dtype == np.float32
+        np.testing.assert_array_equal(ds.images[..., 0], images.astype(np.float32) / 255)
+        np.testing.assert_array_equal(ds.labels, labels.astype(np.int32))
+        assert ds.num_classes == 10 and ds.split == split
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.float32, np.float64, np.int8])
+def test_read_idx_types_and_bad_files(tmp_path, dtype):
+    array = (np.arange(24).reshape(2, 3, 4) - 7).astype(dtype)
+    _write_idx(tmp_path / "x-idx3", array, gz=False)
+    out = data.read_idx(tmp_path / "x-idx3")
+    assert out.dtype == np.dtype(dtype) and out.dtype.isnative
+    np.testing.assert_array_equal(out, array)
+    (tmp_path / "bad").write_bytes(b"\x01\x02\x08\x01" + b"\0" * 8)
+    with pytest.raises(ValueError, match="not an IDX file"):
+        data.read_idx(tmp_path / "bad")
+    (tmp_path / "short").write_bytes((tmp_path / "x-idx3").read_bytes()[:-1])
+    with pytest.raises(ValueError, match="header says shape"):
+        data.read_idx(tmp_path / "short")
+
+
+def test_fashion_mnist_from_the_debian_package():
+    if data._find_idx_files(data.FASHION_MNIST_DIR, "test") is None:
+        pytest.skip(f"no Fashion-MNIST in {data.FASHION_MNIST_DIR} "
+                    "(apt-get install dataset-fashion-mnist)")
+    train, test = data.load("fashion_mnist"), data.load("fashion_mnist", "test")
+    assert train.images.shape == (60000, 28, 28, 1) and test.images.shape == (10000, 28, 28, 1)
+    assert train.num_classes == 10
+    np.testing.assert_array_equal(np.bincount(test.labels), np.full(10, 1000))
+    assert 0.0 <= test.images.min() and test.images.max() <= 1.0
+
+
+# ------------------------------------------------- tensorflow-datasets, offline (mocked)
+
+
+def _mock_tfds(num_examples):
+    # USE_CODE: random examples generated from the builder's feature spec, no files.
+    return tfds.testing.mock_data(num_examples=num_examples,
+                                  policy=tfds.testing.MockPolicy.USE_CODE)
+
+
+@pytest.mark.parametrize("name,classes", [("cifar10", 10), ("cifar100", 100)])
+def test_cifar_through_tfds_data_source_without_tensorflow(tmp_path, name, classes):
+    tf_loaded_before = "tensorflow" in sys.modules  # (TensorFlow is not even installed
+    with _mock_tfds(12):                              # in the project's test venv)
+        ds = data.load(name, "test", data_dir=tmp_path)
+    assert tf_loaded_before or "tensorflow" not in sys.modules  # the path never imports TF
+    assert ds.images.shape == (12, 32, 32, 3) and ds.images.dtype == np.float32
+    assert ds.image_size == 32 and ds.channels == 3 and ds.num_classes == classes
+    assert 0.0 <= ds.images.min() and ds.images.max() <= 1.0 and ds.images.std() > 0
+    assert ds.labels.dtype == np.int32 and np.all((0 <= ds.labels) & (ds.labels < classes))
+
+
+def test_fashion_mnist_falls_back_to_tfds(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "FASHION_MNIST_DIR", tmp_path / "missing")
+    with _mock_tfds(9):
+        ds = data.load("fashion_mnist", "train")  # no IDX folder anywhere -> tfds
+        ds2 = data.load("fashion_mnist", "test", data_dir=tmp_path / "empty")
+    assert ds.images.shape == (9, 28, 28, 1) and ds2.images.shape == (9, 28, 28, 1)
+    assert np.all((0 <= ds.labels) & (ds.labels < 10))
+
+
+def test_missing_fashion_mnist_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "FASHION_MNIST_DIR", tmp_path / "missing")
+    hints = ["apt-get install dataset-fashion-mnist", "tensorflow-datasets", "data_dir="]
+    # 1. tensorflow-datasets is not installed.
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    with pytest.raises(FileNotFoundError) as info:
+        data.load("fashion_mnist")
+    assert all(h in str(info.value) for h in hints), str(info.value)
+    # 2. It is installed, but the download fails (offline).
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", tfds)
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Failed to resolve 'storage.googleapis.com'")
+
+    monkeypatch.setattr(tfds, "data_source", offline)
+    with pytest.raises(FileNotFoundError) as info:
+        data.load("fashion_mnist", "test")
+    assert all(h in str(info.value) for h in hints) and "resolve" in str(info.value)
+
+
+def test_cifar_without_tfds_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
+    with pytest.raises(ImportError, match=r'pip install "mini_moe\[tfds\]"'):
+        data.load("cifar10")
+
+
+# -------------------------------------------------------------- normalize and batches
+
+
+def test_normalize_uses_train_statistics_for_test():
+    rng = np.random.default_rng(0)
+    train = rng.uniform(size=(50, 4, 4, 3)).astype(np.float32) * [1, 2, 3] + [0, 1, 5]
+    test = rng.uniform(size=(20, 4, 4, 3)).astype(np.float32)
+    x, mean, std = data.normalize(train)
+    assert mean.shape == std.shape == (3,) and x.dtype == np.float32
+    np.testing.assert_allclose(x.mean(axis=(0, 1, 2)), 0, atol=1e-5)
+    np.testing.assert_allclose(x.std(axis=(0, 1, 2)), 1, atol=1e-5)
+    y, mean2, std2 = data.normalize(test, mean, std)
+    np.testing.assert_allclose(y, (test - mean) / std, rtol=1e-6)
+    assert np.array_equal(mean2, mean) and np.array_equal(std2, std)
+    constant, _, std_c = data.normalize(np.ones((3, 2, 2, 1), np.float32))
+    assert std_c[0] == 1 and np.all(constant == 0)  # no division by zero
+
+
+@pytest.mark.parametrize("n,batch_size", [(10, 3), (12, 4), (7, 7), (5, 8)])
+def test_batches_cover_every_example_once_per_epoch(n, batch_size):
+    images, labels = np.arange(n)[:, None] * 10, np.arange(n)
+    got = list(data.batches((images, labels), batch_size, seed=3, drop_remainder=False))
+    assert len(got) == data.num_batches(n, batch_size, drop_remainder=False)
+    assert all(len(b[1]) == batch_size for b in got[:-1])
+    seen = np.concatenate([b[1] for b in got])
+    assert sorted(seen) == list(range(n))
+    np.testing.assert_array_equal(np.concatenate([b[0] for b in got])[:, 0], seen * 10)
+
+
+def test_batches_order_depends_only_on_seed_and_epoch():
+    ds = data.load("digits", "test")
+
+    def order(**kw):
+        return np.concatenate(
+            [lab for _, lab in data.batches((np.arange(300), np.arange(300)), 32, **kw)])
+
+    assert np.array_equal(order(seed=0, epoch=1), order(seed=0, epoch=1))
+    assert not np.array_equal(order(seed=0, epoch=1), order(seed=0, epoch=2))
+    assert not np.array_equal(order(seed=0, epoch=1), order(seed=1, epoch=1))
+    assert np.array_equal(order(seed=0, shuffle=False), np.arange(9 * 32))
+    # drop_remainder: 300 // 32 = 9 full batches; a Dataset yields (images, labels).
+    got = list(data.batches(ds, 32, seed=0))
+    assert len(got) == 9 and all(x.shape == (32, 8, 8, 1) and y.shape == (32,) for x, y in got)
+    # Resuming at batch 4 of the epoch gives the rest of the uninterrupted epoch.
+    rest = list(data.batches(ds, 32, seed=0, start=4))
+    assert len(rest) == 5 and all(np.array_equal(a[1], b[1]) for a, b in zip(rest, got[4:]))
+    with pytest.raises(ValueError, match="batch_size"):
+        data.batches(ds, 301, seed=0)
+
+
+# ------------------------------------------------------------------------ augmentation
+
+
+def _ramp(batch, h, w):
+    """Channel 0 = y and channel 1 = x coordinate of each pixel centre."""
+    y, x = np.meshgrid(np.arange(h) + 0.5, np.arange(w) + 0.5, indexing="ij")
+    return np.broadcast_to(np.stack([y, x], -1), (batch, h, w, 2)).astype(np.float32)
+
+
+def test_random_resized_crop_identity_and_flip():
+    rng = np.random.default_rng(0)
+    images = rng.uniform(size=(16, 28, 28, 3)).astype(np.float32)
+    views, t = data.random_resized_crop(rng, images, out_size=28, scale=(1, 1),
+                                        ratio=(1, 1), flip=False)
+    np.testing.assert_array_equal(views, images)
+    assert np.all(t.top == 0) and np.all(t.height == 28) and not t.flip.any()
+    views, t = data.random_resized_crop(rng, images, out_size=28, scale=(1, 1), ratio=(1, 1))
+    assert 0 < t.flip.sum() < 16  # flip=True mirrors about half the views
+    expected = np.where(t.flip[:, None, None, None], images[:, :, ::-1], images)
+    np.testing.assert_array_equal(views, expected)
+    forced = data.resample(images, data.CropTransform.full(16, 28, 28, flip=True), out_size=28)
+    np.testing.assert_array_equal(forced, images[:, :, ::-1])
+
+
+def test_random_resized_crop_boxes_follow_scale_and_ratio():
+    rng = np.random.default_rng(1)
+    _, t = data.random_resized_crop(rng, np.zeros((500, 32, 24, 1)), out_size=16,
+                                    scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3))
+    assert np.all(t.top >= 0) and np.all(t.left >= 0)
+    assert np.all(t.top + t.height <= 32) and np.all(t.left + t.width <= 24)
+    area = t.height * t.width / (32 * 24)
+    assert area.min() >= 0.3 and area.max() <= 1.0  # integer rounding of the sides
+    assert np.all((t.width / t.height > 0.7) & (t.width / t.height < 1.4))
+    # Reproducible from the generator's seed.
+    _, t2 = data.random_resized_crop(np.random.default_rng(1), np.zeros((500, 32, 24, 1)),
+                                     out_size=16)
+    assert all(np.array_equal(a, b) for a, b in zip(t, t2))
+
+
+def test_to_source_says_where_interpolated_values_came_from():
+    rng = np.random.default_rng(2)
+    for out_size in (12, 28, 40):  # downsampling and upsampling
+        images = _ramp(64, 28, 20)
+        views, t = data.random_resized_crop(rng, images, out_size=out_size)
+        centres = np.arange(out_size) + 0.5
+        grid = np.stack(np.meshgrid(centres, centres, indexing="ij"), -1).reshape(-1, 2)
+        src = data.to_source(t, grid, out_size=out_size).reshape(64, out_size, out_size, 2)
+        # A bilinear sample of a linear ramp is the coordinate itself (edges replicated).
+        expected = np.clip(src, 0.5, np.array([28, 20]) - 0.5)
+        np.testing.assert_allclose(views, expected, atol=1e-4)
+        back = data.from_source(t, src.reshape(64, -1, 2), out_size=out_size)
+        np.testing.assert_allclose(back, np.broadcast_to(grid, back.shape), atol=1e-9)
+
+
+def test_resample_matches_jax_image_resize_when_upsampling():
+    import jax
+
+    rng = np.random.default_rng(3)
+    images = rng.uniform(size=(4, 8, 8, 2)).astype(np.float32)
+    ours = data.resample(images, data.CropTransform.full(4, 8, 8), out_size=20)
+    theirs = jax.image.resize(images, (4, 20, 20, 2), method="linear")
+    np.testing.assert_allclose(ours, np.asarray(theirs), atol=1e-5)
+
+
+# ------------------------------------------------------------- patch correspondence
+
+
+def test_patch_correspondence_identity_and_mirror():
+    b, s, ps = 3, 28, 4
+    n = s // ps
+    t = data.CropTransform(np.array([0.0, 2, 5]), np.array([0.0, 3, 1]),
+                           np.array([28.0, 20, 14]), np.array([28.0, 21, 16]),
+                           np.array([False, True, False]))
+    index, valid = data.patch_correspondence(t, t, out_size1=s, out_size2=s, patch_size=ps)
+    assert index.shape == valid.shape == (b, n * n) and index.dtype == np.int32
+    np.testing.assert_array_equal(index, np.broadcast_to(np.arange(n * n), (b, n * n)))
+    assert valid.all()
+    mirrored = t._replace(flip=~t.flip)
+    index, valid = data.patch_correspondence(t, mirrored, out_size1=s, out_size2=s,
+                                             patch_size=ps)
+    i, j = np.divmod(np.arange(n * n), n)
+    np.testing.assert_array_equal(index, np.broadcast_to(i * n + (n - 1 - j), (b, n * n)))
+    assert valid.all()
+
+
+def test_patch_correspondence_of_a_known_crop():
+    # View 1 is the whole 16x16 image; view 2 its top-left quarter, upsampled to 16x16.
+    s, ps, n = 16, 4, 4
+    full = data.CropTransform.full(1, 16, 16)
+    quarter = data.CropTransform(np.zeros(1), np.zeros(1), np.full(1, 8.0), np.full(1, 8.0),
+                                 np.zeros(1, bool))
+    index, valid = data.patch_correspondence(full, quarter, out_size1=s, out_size2=s,
+                                             patch_size=ps)
+    i, j = np.divmod(np.arange(n * n), n)
+    inside = (i < 2) & (j < 2)
+    np.testing.assert_array_equal(valid[0], inside)
+    # Patch (i, j) of view 1 has centre 4i + 2 -> 8i + 4 in view 2: view-2 patch 2i + 1.
+    np.testing.assert_array_equal(index[0][inside], ((2 * i + 1) * n + 2 * j + 1)[inside])
+    # The reverse direction: each view-2 patch lies inside view-1 patch (i // 2, j // 2).
+    index, valid = data.patch_correspondence(quarter, full, out_size1=s, out_size2=s,
+                                             patch_size=ps)
+    assert valid.all()
+    np.testing.assert_array_equal(index[0], (i // 2) * n + j // 2)
+    assert data.view_resolution(quarter, out_size=s)[0] == 2 * data.view_resolution(
+        full, out_size=s)[0]
+
+
+def test_patch_correspondence_picks_the_nearest_patch_centre():
+    rng = np.random.default_rng(4)
+    images = np.zeros((32, 32, 32, 3), np.float32)
+    _, t1 = data.random_resized_crop(rng, images, out_size=32)
+    _, t2 = data.random_resized_crop(rng, images, out_size=24)
+    index, valid = data.patch_correspondence(t1, t2, out_size1=32, out_size2=24, patch_size=8)
+    c1 = (np.arange(4) + 0.5) * 8
+    c2 = (np.arange(3) + 0.5) * 8
+    yx1 = np.stack(np.meshgrid(c1, c1, indexing="ij"), -1).reshape(-1, 2)
+    yx2 = np.stack(np.meshgrid(c2, c2, indexing="ij"), -1).reshape(-1, 2)
+    point = data.from_source(t2, data.to_source(t1, yx1, out_size=32), out_size=24)  # [B,16,2]
+    dist = np.linalg.norm(point[:, :, None] - yx2[None, None], axis=-1)             # [B,16,9]
+    chosen = np.take_along_axis(dist, index[..., None].astype(np.int64), -1)[..., 0]
+    np.testing.assert_allclose(chosen[valid], dist.min(-1)[valid], atol=1e-9)
+    np.testing.assert_array_equal(valid, np.all((point >= 0) & (point < 24), -1))
+    assert 0 < valid.mean() < 1
+    with pytest.raises(ValueError, match="multiple of patch_size"):
+        data.patch_correspondence(t1, t2, out_size1=30, out_size2=24, patch_size=8)
