@@ -50,8 +50,10 @@ class TrainConfig:
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
     aux_loss_weight: float = 0.01  # weight of the routers' auxiliary losses
-    prc_weight: float = 0.0  # Pairwise Router Consistency (paper 004); needs augment
     augment: bool = False  # random resized crop + flip
+    prc: bool = False  # Pairwise Router Consistency (paper 004) in place of aux losses
+    prc_lambda_diag: float = 5e-3  # paper 004, Table 1
+    prc_lambda_offdiag: float = 5e-2
     eval_every: int = 500
     eval_batch_size: int = 512
     checkpoint_every: int = 500
@@ -67,8 +69,8 @@ class TrainConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps!r}.")
-        if self.prc_weight > 0 and not self.augment:
-            raise ValueError("prc_weight > 0 needs augment=True (two augmented views per image).")
+        if self.prc and (self.model.router is None or self.model.router == "soft_moe"):
+            raise ValueError(f"prc=True needs a sparse router (paper 004 uses token choice), got {self.model.router!r}.")
 
 
 def default_scale() -> str:
@@ -117,6 +119,10 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
                 f"Unknown config field {key!r}; TrainConfig fields: {sorted(valid_train)}; "
                 f"model fields (prefix 'model_'): {sorted(valid_model)}."
             )
+    if "warmup_steps" not in overrides:  # keep warmup short for short runs
+        train_fields["warmup_steps"] = min(train_fields["warmup_steps"], train_fields["steps"] // 10)
+    if "eval_every" not in overrides:
+        train_fields["eval_every"] = min(train_fields["eval_every"], train_fields["steps"])
     if "checkpoint_every" not in overrides:
         train_fields["checkpoint_every"] = train_fields.get("eval_every", 500)
     return TrainConfig(model=ModelConfig(**model_fields), **train_fields)

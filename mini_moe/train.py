@@ -30,6 +30,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from mini_moe import data as data_lib
+from mini_moe import evaluate, losses
 from mini_moe.config import TrainConfig
 from mini_moe.model import ModelConfig, VisionMoE
 
@@ -57,7 +58,9 @@ def load_data(cfg: TrainConfig):
     """Train and test splits, standardised with the training set's statistics."""
     train = data_lib.load(cfg.dataset, "train", data_dir=cfg.data_dir)
     test = data_lib.load(cfg.dataset, "test", data_dir=cfg.data_dir)
-    return data_lib.standardize(train, test)
+    train_images, mean, std = data_lib.normalize(train.images)
+    test_images, _, _ = data_lib.normalize(test.images, mean, std)
+    return dataclasses.replace(train, images=train_images), dataclasses.replace(test, images=test_images)
 
 
 # --------------------------------------------------------------------- steps
@@ -78,38 +81,34 @@ def train_step(model, optimizer, images, labels, aux_weight: float):
     return {"loss": ce, "aux_loss": out.aux_loss, "accuracy": accuracy, "router": _mean_metrics(out.metrics)}
 
 
+def _prc_loss_fn(model, view1, view2, labels, index, valid, lambdas):
+    batch = view1.shape[0]
+    out = model(jnp.concatenate([view1, view2]))
+    ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, jnp.concatenate([labels, labels])).mean()
+    prc = sum(
+        losses.pairwise_router_consistency(p[:batch], p[batch:], index, valid,
+                                           lambda_diag=lambdas[0], lambda_offdiag=lambdas[1])
+        for p in out.probs
+    )
+    return ce + prc, (ce, prc, out)
+
+
+@nnx.jit(static_argnames=("lambdas",))
+def prc_train_step(model, optimizer, view1, view2, labels, index, valid, lambdas: tuple):
+    """One AdamW step on the cross-entropy of both views + the PRC loss of every MoE
+    layer (paper 004), which replaces the routers' own auxiliary losses."""
+    grads, (ce, prc, out) = nnx.grad(_prc_loss_fn, has_aux=True)(model, view1, view2, labels, index, valid, lambdas)
+    optimizer.update(model, grads)
+    accuracy = jnp.mean(jnp.argmax(out.logits[: view1.shape[0]], -1) == labels)
+    return {"loss": ce, "aux_loss": prc, "accuracy": accuracy, "router": _mean_metrics(out.metrics)}
+
+
 def _mean_metrics(per_layer) -> dict:
     """Average scalar router metrics over MoE layers."""
     if not per_layer:
         return {}
     keys = [k for k, v in per_layer[0].items() if jnp.ndim(v) == 0]
     return {k: jnp.mean(jnp.stack([m[k] for m in per_layer]).astype(jnp.float32)) for k in keys}
-
-
-@nnx.jit
-def _predict(model, images):
-    return model(images).logits
-
-
-def evaluate_accuracy(model: VisionMoE, dataset, batch_size: int = 512) -> float:
-    """Top-1 accuracy of ``model`` (in eval mode) over a whole dataset.
-
-    The last partial batch is padded by repeating its images (sparse routers need a
-    multiple of ``group_images``); padded predictions are ignored.
-    """
-    model.eval()
-    group = model.cfg.group_images
-    batch_size = max(group, batch_size - batch_size % group)
-    correct = 0
-    for start in range(0, len(dataset.labels), batch_size):
-        images = dataset.images[start : start + batch_size]
-        n = len(images)
-        if n < batch_size:
-            images = np.concatenate([images, np.resize(images, (batch_size - n,) + images.shape[1:])])
-        logits = _predict(model, jnp.asarray(images))[:n]
-        correct += int(jnp.sum(jnp.argmax(logits, -1) == dataset.labels[start : start + n]))
-    model.train()
-    return correct / len(dataset.labels)
 
 
 # ------------------------------------------------------------------ checkpoints
@@ -166,18 +165,32 @@ def config_from_json(obj: dict) -> TrainConfig:
 
 
 def batch_at(dataset, cfg: TrainConfig, step: int):
-    """The training batch of ``step``: a function of (seed, step) only."""
-    per_epoch = len(dataset.labels) // cfg.batch_size
+    """The training batch of ``step``, a function of (seed, step) only: ``(images,
+    labels)``, or with PRC ``(view1, view2, labels, index, valid)``."""
+    per_epoch = data_lib.num_batches(len(dataset.labels), cfg.batch_size)
     if per_epoch < 1:
         raise ValueError(f"batch_size={cfg.batch_size} is larger than the training set ({len(dataset.labels)}).")
     epoch, index = divmod(step, per_epoch)
-    order = data_lib.epoch_order(len(dataset.labels), seed=cfg.seed, epoch=epoch)
-    rows = order[index * cfg.batch_size : (index + 1) * cfg.batch_size]
-    images, labels = dataset.images[rows], dataset.labels[rows]
+    images, labels = next(data_lib.batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, start=index))
+    rng = np.random.default_rng((cfg.seed, step))
+    size = images.shape[1]
+    if cfg.prc:  # two views, the higher-resolution one first, and their correspondences
+        v1, t1 = data_lib.random_resized_crop(rng, images, out_size=size)
+        v2, t2 = data_lib.random_resized_crop(rng, images, out_size=size)
+        v1, t1, v2, t2 = evaluate.order_views(v1, t1, v2, t2, out_size=size)
+        index, valid = data_lib.patch_correspondence(t1, t2, out_size1=size, out_size2=size,
+                                                     patch_size=cfg.model.patch_size)
+        return (v1, v2, labels, index, valid)
     if cfg.augment:
-        rng = np.random.default_rng((cfg.seed, step))
-        images, _ = data_lib.random_resized_crop(rng, images, out_size=images.shape[1])
+        images, _ = data_lib.random_resized_crop(rng, images, out_size=size)
     return images, labels
+
+
+def _step(model, optimizer, batch, cfg: TrainConfig):
+    batch = tuple(jnp.asarray(a) for a in batch)
+    if cfg.prc:
+        return prc_train_step(model, optimizer, *batch, lambdas=(cfg.prc_lambda_diag, cfg.prc_lambda_offdiag))
+    return train_step(model, optimizer, *batch, aux_weight=cfg.aux_loss_weight)
 
 
 def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = True, datasets=None) -> dict:
@@ -224,8 +237,7 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     elapsed0 = history["seconds"]
     step = start
     for step in range(start, cfg.steps):
-        images, labels = batch_at(train_ds, cfg, step)
-        stats = train_step(model, optimizer, jnp.asarray(images), jnp.asarray(labels), cfg.aux_loss_weight)
+        stats = _step(model, optimizer, batch_at(train_ds, cfg, step), cfg)
         loss = float(stats["loss"])
         if not math.isfinite(loss) or not math.isfinite(float(stats["aux_loss"])):
             last = manager.latest_step()
@@ -246,7 +258,7 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
             bar.set_postfix(loss=f"{loss:.3f}", acc=f"{float(stats['accuracy']):.3f}")
         out_of_time = cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds
         if done % cfg.eval_every == 0 or done == cfg.steps or out_of_time:
-            acc = evaluate_accuracy(model, test_ds, cfg.eval_batch_size)
+            acc = evaluate.accuracy(model, test_ds, batch_size=cfg.eval_batch_size)
             history["eval"].append({"step": done, "seconds": round(history["seconds"], 2), "test_accuracy": acc})
             bar.write(f"step {done}: test accuracy {acc:.4f}") if progress else None
         if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:

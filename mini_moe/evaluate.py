@@ -1,0 +1,239 @@
+"""Evaluation: accuracy, the 10-shot linear probe, and what the routers learned.
+
+* :func:`few_shot_accuracy` — paper 000 Sec. 3.3: frozen features, closed-form ridge
+  regression onto one-hot labels from ``shots`` training images per class.
+* :func:`router_report` — per MoE layer over a dataset: tokens per expert, dropped
+  tokens, experts per token, buffer fill, and router confidence (mean top-1, top-2 and
+  the rest of each patch's expert distribution; paper 004 Table 5).
+* :func:`routing_stability` — paper 004 Table 4: two augmented views of each image,
+  corresponding patches, and how often their top-1 / top-2 / unordered top-2 experts match.
+* :func:`expert_maps` and :func:`plot_expert_maps` — which expert each patch went to.
+
+All functions put the model in eval mode (no router noise) and restore train mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mini_moe import data as data_lib
+
+Array = Any
+
+
+@contextlib.contextmanager
+def _eval_mode(model):
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train()
+
+
+@nnx.jit(static_argnames=("return_routing",))
+def _forward(model, images, return_routing=False):
+    return model(images, return_routing=return_routing)
+
+
+def _padded_batches(images: np.ndarray, batch_size: int, group: int):
+    """Batches of exactly ``batch_size`` (a multiple of ``group``); the last is padded by
+    repeating images. Yields ``(batch, n_real)``."""
+    batch_size = max(group, batch_size - batch_size % group)
+    for start in range(0, len(images), batch_size):
+        chunk = images[start : start + batch_size]
+        n = len(chunk)
+        if n < batch_size:
+            chunk = np.concatenate([chunk, np.resize(chunk, (batch_size - n,) + chunk.shape[1:])])
+        yield jnp.asarray(chunk), n
+
+
+def _collect(model, images, field, batch_size):
+    out = []
+    with _eval_mode(model):
+        for batch, n in _padded_batches(images, batch_size, model.cfg.group_images):
+            out.append(np.asarray(getattr(_forward(model, batch), field)[:n]))
+    return np.concatenate(out)
+
+
+def features(model, images: np.ndarray, *, batch_size: int = 256) -> np.ndarray:
+    """Pooled pre-head features ``[N, D]``."""
+    return _collect(model, images, "features", batch_size)
+
+
+def accuracy(model, dataset, *, batch_size: int = 512) -> float:
+    """Top-1 accuracy over a dataset (images already normalised like the training data)."""
+    logits = _collect(model, dataset.images, "logits", batch_size)
+    return float(np.mean(np.argmax(logits, -1) == dataset.labels))
+
+
+def ridge_probe(train_x, train_y, test_x, test_y, *, num_classes: int, l2: float = 1.0) -> float:
+    """Closed-form ridge regression from features onto one-hot labels (with a bias);
+    returns test accuracy. Features are centred and scaled by the training statistics."""
+    mean, std = train_x.mean(0), train_x.std(0) + 1e-6
+    a = np.concatenate([(train_x - mean) / std, np.ones((len(train_x), 1))], axis=1).astype(np.float64)
+    b = np.concatenate([(test_x - mean) / std, np.ones((len(test_x), 1))], axis=1).astype(np.float64)
+    targets = np.eye(num_classes)[train_y]
+    reg = l2 * np.eye(a.shape[1])
+    reg[-1, -1] = 0.0  # do not shrink the bias
+    weights = np.linalg.solve(a.T @ a + reg, a.T @ targets)
+    return float(np.mean(np.argmax(b @ weights, axis=1) == test_y))
+
+
+def few_shot_accuracy(model, train, test, *, shots: int = 10, l2: float = 1.0, seed: int = 0,
+                      max_test: int | None = None) -> float:
+    """``shots``-shot linear probe accuracy (paper 000 Sec. 3.3; Dosovitskiy et al. 2021).
+
+    Picks ``shots`` training images per class (seeded), extracts frozen features, fits
+    ridge regression onto one-hot labels in closed form and scores the test set.
+    """
+    if shots < 1:
+        raise ValueError(f"shots must be >= 1, got {shots}.")
+    rng = np.random.default_rng(seed)
+    picks = []
+    for c in range(train.num_classes):
+        idx = np.flatnonzero(train.labels == c)
+        if len(idx) < shots:
+            raise ValueError(f"class {c} has {len(idx)} training images, fewer than shots={shots}.")
+        picks.append(rng.choice(idx, shots, replace=False))
+    picks = np.concatenate(picks)
+    test_images, test_labels = test.images, test.labels
+    if max_test is not None:
+        test_images, test_labels = test_images[:max_test], test_labels[:max_test]
+    return ridge_probe(features(model, train.images[picks]), train.labels[picks],
+                       features(model, test_images), test_labels, num_classes=train.num_classes, l2=l2)
+
+
+# --------------------------------------------------------------------- routers
+
+
+def _confidence(probs: np.ndarray) -> dict:
+    top = -np.sort(-probs, axis=-1)
+    return {"top1": float(top[..., 0].mean()),
+            "top2": float(top[..., 1].mean()) if top.shape[-1] > 1 else 0.0,
+            "rest": float(top[..., 2:].sum(-1).mean()) if top.shape[-1] > 2 else 0.0}
+
+
+def router_report(model, images: np.ndarray, *, batch_size: int = 256) -> list[dict]:
+    """Per MoE layer: routing metrics averaged over ``images`` and router confidence.
+
+    Returns a list (one dict per MoE layer) with ``tokens_per_expert [E]`` (per group),
+    ``dropped``, ``experts_per_token``, ``buffer_fill`` and ``confidence`` (mean top-1,
+    top-2 and the sum of the rest of each patch's expert distribution).
+    """
+    sums, probs, batches = None, None, 0
+    with _eval_mode(model):
+        for batch, n in _padded_batches(images, batch_size, model.cfg.group_images):
+            out = _forward(model, batch)
+            metrics = [{k: np.asarray(v, np.float64) for k, v in m.items()} for m in out.metrics]
+            sums = metrics if sums is None else [{k: s[k] + m[k] for k in s} for s, m in zip(sums, metrics)]
+            layer_probs = [np.asarray(p[:n]) for p in out.probs]
+            probs = layer_probs if probs is None else [np.concatenate([a, b]) for a, b in zip(probs, layer_probs)]
+            batches += 1
+    if sums is None:
+        return []
+    report = []
+    for layer_sums, layer_probs in zip(sums, probs):
+        entry = {k: (v / batches).tolist() if np.ndim(v) else float(v / batches) for k, v in layer_sums.items()}
+        entry["confidence"] = _confidence(layer_probs)
+        report.append(entry)
+    return report
+
+
+def expert_maps(model, images: np.ndarray) -> np.ndarray:
+    """``int [L, B, h, w]``: per MoE layer and patch, the expert with the largest combine
+    weight, or -1 where the patch reached no expert (dropped)."""
+    cfg = model.cfg
+    with _eval_mode(model):
+        out = _forward(model, jnp.asarray(images), return_routing=True)
+    b, side = len(images), cfg.image_size // cfg.patch_size
+    maps = []
+    for rt in out.routings:
+        combine = np.asarray(rt.combine).reshape(b, side * side, cfg.num_experts, -1).sum(-1)
+        reached = (np.asarray(rt.dispatch).reshape(b, side * side, cfg.num_experts, -1) > 0).any(axis=(-1, -2))
+        maps.append(np.where(reached, combine.argmax(-1), -1).reshape(b, side, side))
+    return np.stack(maps) if maps else np.zeros((0, b, side, side), int)
+
+
+def plot_expert_maps(images: np.ndarray, maps: np.ndarray, *, num_experts: int, layer: int = -1,
+                     labels=None, max_images: int = 8):
+    """Draw images with their patches coloured by expert (dropped patches hatched black).
+
+    Args:
+      images: ``[B, H, W, C]`` (any scale; shown min-max normalised).
+      maps: output of :func:`expert_maps`.
+      layer: which MoE layer to show.
+    Returns:
+      The matplotlib figure.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    n = min(max_images, len(images))
+    fig, axes = plt.subplots(2, n, figsize=(1.6 * n, 3.4), squeeze=False)
+    colors = plt.get_cmap("tab20")(np.arange(num_experts) % 20)
+    cmap = ListedColormap(np.vstack([[0, 0, 0, 1], colors]))
+    for i in range(n):
+        img = images[i]
+        img = (img - img.min()) / (img.max() - img.min() + 1e-9)
+        axes[0, i].imshow(img.squeeze(-1) if img.shape[-1] == 1 else img, cmap="gray")
+        axes[1, i].imshow(maps[layer, i] + 1, cmap=cmap, vmin=0, vmax=num_experts)
+        if labels is not None:
+            axes[0, i].set_title(str(labels[i]), fontsize=8)
+        for ax in axes[:, i]:
+            ax.set_xticks([]), ax.set_yticks([])
+    axes[1, 0].set_ylabel("expert", fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 128,
+                      scale=(0.35, 1.0)) -> list[dict]:
+    """Paper 004 Table 4: expert-selection match ratios of corresponding patches.
+
+    For each image, two random resized crops (+ flips) are drawn; the higher-resolution
+    view is view 1. For every view-1 patch whose centre lands inside view 2, the top-1
+    (and top-2) experts of its distribution are compared with those of the nearest
+    view-2 patch. Returns one dict per MoE layer: ``top1``, ``top2`` (both in order),
+    ``top2_unordered`` and ``pairs`` (number of patch pairs compared).
+    """
+    cfg = model.cfg
+    rng = np.random.default_rng(seed)
+    counts = None
+    with _eval_mode(model):
+        for batch, n in _padded_batches(images, batch_size, cfg.group_images):
+            batch = np.asarray(batch)
+            v1, t1 = data_lib.random_resized_crop(rng, batch, out_size=cfg.image_size, scale=scale)
+            v2, t2 = data_lib.random_resized_crop(rng, batch, out_size=cfg.image_size, scale=scale)
+            v1, t1, v2, t2 = order_views(v1, t1, v2, t2, out_size=cfg.image_size)
+            index, valid = data_lib.patch_correspondence(
+                t1, t2, out_size1=cfg.image_size, out_size2=cfg.image_size, patch_size=cfg.patch_size)
+            p1 = _forward(model, jnp.asarray(v1)).probs
+            p2 = _forward(model, jnp.asarray(v2)).probs
+            valid = valid[:n]
+            layer_counts = []
+            for a, b in zip(p1, p2):
+                a = np.asarray(a)[:n]
+                b = np.take_along_axis(np.asarray(b)[:n], index[:n, :, None], axis=1)
+                ta, tb = np.argsort(-a, -1)[..., :2], np.argsort(-b, -1)[..., :2]
+                top1 = ta[..., 0] == tb[..., 0]
+                top2 = top1 & (ta[..., 1] == tb[..., 1])
+                unordered = top2 | ((ta[..., 0] == tb[..., 1]) & (ta[..., 1] == tb[..., 0]))
+                layer_counts.append(np.array([top1[valid].sum(), top2[valid].sum(), unordered[valid].sum(), valid.sum()]))
+            counts = layer_counts if counts is None else [c + d for c, d in zip(counts, layer_counts)]
+    return [{"top1": c[0] / max(c[3], 1), "top2": c[1] / max(c[3], 1), "top2_unordered": c[2] / max(c[3], 1),
+             "pairs": int(c[3])} for c in (counts or [])]
+
+
+def order_views(v1, t1, v2, t2, *, out_size):
+    """Swap the two views per image so that view 1 has the higher resolution (paper 004)."""
+    swap = data_lib.view_resolution(t2, out_size=out_size) > data_lib.view_resolution(t1, out_size=out_size)
+    s = swap[:, None, None, None]
+    first = np.where(s, v2, v1), data_lib.CropTransform(*[np.where(swap, b, a) for a, b in zip(t1, t2)])
+    second = np.where(s, v1, v2), data_lib.CropTransform(*[np.where(swap, a, b) for a, b in zip(t1, t2)])
+    return first[0], first[1], second[0], second[1]
