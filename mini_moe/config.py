@@ -125,4 +125,10 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
         train_fields["eval_every"] = min(train_fields["eval_every"], train_fields["steps"])
     if "checkpoint_every" not in overrides:
         train_fields["checkpoint_every"] = train_fields.get("eval_every", 500)
+    kwargs = dict(model_fields.get("router_kwargs", ()))
+    if router == "soft_moe" and "slots_per_expert" not in kwargs:
+        # Paper 000: S = round(c * T / E) slots per expert with c = 1, T tokens per image.
+        patches = (model_fields["image_size"] // model_fields["patch_size"]) ** 2
+        kwargs["slots_per_expert"] = max(1, round(patches / model_fields["num_experts"]))
+        model_fields["router_kwargs"] = tuple(sorted(kwargs.items()))
     return TrainConfig(model=ModelConfig(**model_fields), **train_fields)

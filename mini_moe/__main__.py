@@ -1,0 +1,141 @@
+"""Command line: ``python -m mini_moe {train,evaluate,bench} ...`` (``--help`` on each)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import pathlib
+import sys
+
+from mini_moe import data as data_lib
+from mini_moe.routers import ROUTERS
+
+ROUTER_CHOICES = sorted(ROUTERS) + ["dense"]
+
+
+def _parse_override(text: str):
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--set expects KEY=VALUE, got {text!r}")
+    try:
+        value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        pass  # a plain string
+    return key.strip(), value
+
+
+def _add_train(sub):
+    p = sub.add_parser(
+        "train", help="train a V-MoE (or the dense ViT) and write config, checkpoints and history",
+        description="Train a V-MoE with any router. Routers: " + ", ".join(ROUTER_CHOICES)
+        + ". Datasets: " + ", ".join(data_lib.DATASETS) + ".",
+    )
+    p.add_argument("--router", default="soft_moe", choices=ROUTER_CHOICES, help="router name, or 'dense' for the ViT")
+    p.add_argument("--dataset", default="fashion_mnist", choices=data_lib.DATASETS)
+    p.add_argument("--config", default=None, choices=["quick", "full"],
+                   help="scale preset (default: quick on CPU, full on GPU/TPU; env MINI_MOE_SCALE)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="training steps (overrides the preset)")
+    p.add_argument("--minutes", type=float, default=None, help="stop after this many minutes of training")
+    p.add_argument("--out", default=None, help="output folder (default: runs/DATASET-ROUTER-sSEED)")
+    p.add_argument("--data-dir", default=None, help="folder with the dataset files (e.g. Fashion-MNIST IDX)")
+    p.add_argument("--set", dest="overrides", type=_parse_override, action="append", default=[],
+                   metavar="KEY=VALUE", help="override a config field, e.g. --set model_num_experts=16 "
+                   "--set 'model_router_kwargs={\"k\": 2}' (repeatable)")
+    p.add_argument("--no-resume", action="store_true", help="start afresh even if OUT has checkpoints")
+    p.set_defaults(func=_train)
+
+
+def _train(args):
+    from mini_moe import config as config_lib
+    from mini_moe import train as train_lib
+
+    overrides = dict(args.overrides)
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if args.minutes is not None:
+        overrides["max_seconds"] = 60.0 * args.minutes
+    if args.data_dir is not None:
+        overrides["data_dir"] = args.data_dir
+    router = None if args.router == "dense" else args.router
+    try:
+        cfg = config_lib.get_config(args.config, dataset=args.dataset, router=router, seed=args.seed, **overrides)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"error: {e}")
+    out = pathlib.Path(args.out or f"runs/{args.dataset}-{args.router}-s{args.seed}")
+    history = train_lib.train(cfg, out, resume=not args.no_resume)
+    final = history["eval"][-1] if history["eval"] else {}
+    print(json.dumps({"out": str(out), **final, "train_seconds": round(history["seconds"], 1)}))
+
+
+def _add_evaluate(sub):
+    p = sub.add_parser("evaluate", help="evaluate a trained run: accuracy, 10-shot probe, router diagnostics, figures")
+    p.add_argument("run", help="a folder written by 'train'")
+    p.add_argument("--shots", type=int, default=10, help="images per class for the linear probe")
+    p.add_argument("--images", type=int, default=2000, help="test images used for router diagnostics")
+    p.add_argument("--no-figures", action="store_true")
+    p.set_defaults(func=_evaluate)
+
+
+def _evaluate(args):
+    from mini_moe import evaluate as ev
+    from mini_moe import train as train_lib
+
+    run = pathlib.Path(args.run)
+    model, cfg = train_lib.load_trained(run)
+    train_ds, test_ds = train_lib.load_data(cfg)
+    subset = test_ds.images[: args.images]
+    result = {
+        "test_accuracy": ev.accuracy(model, test_ds),
+        f"{args.shots}_shot_accuracy": ev.few_shot_accuracy(model, train_ds, test_ds, shots=args.shots),
+        "routers": ev.router_report(model, subset),
+        "stability": ev.routing_stability(model, subset),
+    }
+    (run / "evaluation.json").write_text(json.dumps(result, indent=1))
+    if not args.no_figures and cfg.model.moe_blocks():
+        maps = ev.expert_maps(model, test_ds.images[:8])
+        fig = ev.plot_expert_maps(test_ds.images[:8], maps, num_experts=cfg.model.num_experts,
+                                  labels=test_ds.labels[:8])
+        fig.savefig(run / "expert_maps.png", dpi=120)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("routers", "stability")}))
+    print(f"wrote {run / 'evaluation.json'}")
+
+
+def _add_bench(sub):
+    p = sub.add_parser("bench", help="time routers, MoE layer vs dense MLP, Soft MoE vs E, training throughput")
+    p.add_argument("--out", default="benchmarks/results.json", help="JSON file to write")
+    p.add_argument("--repeats", type=int, default=20, help="timed repetitions per measurement")
+    p.add_argument("--only", default=None, choices=["routers", "layer", "soft_moe_experts", "training"],
+                   help="run one part only")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args):
+    from mini_moe import bench
+
+    results = bench.run(repeats=args.repeats, only=args.only)
+    path = pathlib.Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(bench.summary(results))
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mini_moe",
+        description="mini_moe: routers in Vision Mixture-of-Experts. Routers: " + ", ".join(ROUTER_CHOICES)
+        + ". Datasets: " + ", ".join(data_lib.DATASETS) + ".",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_evaluate(sub)
+    _add_bench(sub)
+    args = parser.parse_args(argv)
+    args.func(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

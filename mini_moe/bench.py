@@ -1,0 +1,174 @@
+"""Benchmarks (``python -m mini_moe bench``): ratios measured side by side in one run.
+
+* ``layer`` — every router's MoE layer (router + experts + eq. 2), forward + backward,
+  against a dense MLP with the same activated FLOPs (hidden H on every token; the MoE
+  layer runs k = c = 1, i.e. about one expert of hidden H per token), at the quick
+  model's shapes and at a B/32-like layer (8 images x 49 tokens, D=768, H=3072, E=32).
+* ``soft_moe_experts`` — Soft MoE forward + backward as E goes from 8 to 256 with the
+  total number of slots fixed (paper 002, Figure 6: the cost should stay flat).
+* ``training`` — training images per second of each V-MoE and of the dense ViT at the
+  quick configuration (random Fashion-MNIST-shaped data).
+
+Times are medians over ``repeats`` calls after a warm-up (compilation excluded).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mini_moe import layer as layer_lib
+from mini_moe import routers as routers_lib
+from mini_moe.model import DenseMlp
+
+LAYER_SHAPES = {
+    # name: (images per group, tokens per image, groups, D, H, E)
+    "quick": (8, 49, 16, 64, 128, 8),
+    "b32": (8, 49, 1, 768, 3072, 32),
+}
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+        "python": sys.version.split()[0], "jax": jax.__version__, "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def time_fn(fn, *args, repeats: int = 20) -> float:
+    """Median wall time in milliseconds of ``fn(*args)`` (compiled once before timing)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def _fwd_bwd(module_fn):
+    """jit(grad) of sum(out^2) w.r.t. the module's parameters and the input."""
+
+    @nnx.jit
+    def step(module, x):
+        def loss(module, x):
+            return jnp.sum(module_fn(module, x) ** 2)
+
+        return nnx.grad(loss, argnums=(0, 1))(module, x)
+
+    return step
+
+
+class _MoeLayer(nnx.Module):
+    def __init__(self, router, experts):
+        self.router, self.experts = router, experts
+
+    def __call__(self, x):
+        out = self.router(x)
+        return layer_lib.moe(x, out.routing, self.experts) + out.aux_loss
+
+
+def layer_benchmarks(repeats: int) -> list[dict]:
+    results = []
+    for shape_name, (per_group, tokens, groups, dim, hidden, experts) in LAYER_SHAPES.items():
+        rng = nnx.Rngs(0)
+        x_sparse = jax.random.normal(jax.random.PRNGKey(0), (groups, per_group * tokens, dim))
+        x_images = x_sparse.reshape(groups * per_group, tokens, dim)
+        dense = DenseMlp(dim, hidden, rngs=rng)
+        dense_ms = time_fn(_fwd_bwd(lambda m, x: m(x)), dense, x_sparse, repeats=repeats)
+        results.append({"shape": shape_name, "router": "dense_mlp", "ms": round(dense_ms, 3), "ratio": 1.0})
+        for name in sorted(routers_lib.ROUTERS):
+            kwargs = {"slots_per_expert": max(1, round(tokens / experts))} if name == "soft_moe" else {}
+            router = routers_lib.make_router(name, dim, experts, rngs=rng, **kwargs)
+            module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
+            x = x_images if name == "soft_moe" else x_sparse
+            ms = time_fn(_fwd_bwd(lambda m, x: m(x)), module, x, repeats=repeats)
+            results.append({"shape": shape_name, "router": name, "ms": round(ms, 3), "ratio": round(ms / dense_ms, 3)})
+            print(f"  layer {shape_name:5s} {name:36s} {ms:9.2f} ms  x{ms / dense_ms:.2f}", flush=True)
+    return results
+
+
+def soft_moe_expert_benchmarks(repeats: int, total_slots: int = 256, images: int = 8, tokens: int = 64,
+                               dim: int = 256, hidden: int = 1024) -> list[dict]:
+    x = jax.random.normal(jax.random.PRNGKey(0), (images, tokens, dim))
+    results = []
+    for experts in (8, 16, 32, 64, 128, 256):
+        rng = nnx.Rngs(0)
+        router = routers_lib.make_router("soft_moe", dim, experts, slots_per_expert=total_slots // experts, rngs=rng)
+        module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
+        ms = time_fn(_fwd_bwd(lambda m, x: m(x)), module, x, repeats=repeats)
+        results.append({"experts": experts, "slots_per_expert": total_slots // experts, "ms": round(ms, 3)})
+        print(f"  soft_moe E={experts:4d} S={total_slots // experts:3d} {ms:9.2f} ms", flush=True)
+    base = results[0]["ms"]
+    for r in results:
+        r["ratio_to_E8"] = round(r["ms"] / base, 3)
+    return results
+
+
+def training_benchmarks(repeats: int) -> list[dict]:
+    from mini_moe import config as config_lib
+    from mini_moe import train as train_lib
+
+    results = []
+    for name in [None] + sorted(routers_lib.ROUTERS):
+        cfg = config_lib.get_config("quick", dataset="fashion_mnist", router=name)
+        model = train_lib.make_model(cfg)
+        optimizer = train_lib.make_optimizer(model, cfg)
+        images = jax.random.normal(jax.random.PRNGKey(0), (cfg.batch_size, 28, 28, 1))
+        labels = jnp.zeros((cfg.batch_size,), jnp.int32)
+
+        def step(model, optimizer, images, labels):
+            return train_lib.train_step(model, optimizer, images, labels, aux_weight=cfg.aux_loss_weight)["loss"]
+
+        ms = time_fn(step, model, optimizer, images, labels, repeats=max(3, repeats // 2))
+        results.append({"router": name or "dense_vit", "batch": cfg.batch_size, "ms_per_step": round(ms, 2),
+                        "images_per_second": round(1e3 * cfg.batch_size / ms, 1)})
+        print(f"  train {name or 'dense_vit':36s} {ms:8.1f} ms/step {1e3 * cfg.batch_size / ms:8.0f} img/s", flush=True)
+    dense = results[0]["images_per_second"]
+    for r in results:
+        r["throughput_vs_dense"] = round(r["images_per_second"] / dense, 3)
+    return results
+
+
+def run(repeats: int = 20, only: str | None = None) -> dict:
+    """Run the benchmarks (all, or ``only`` one part) and return a JSON-able dict."""
+    parts = {"layer": layer_benchmarks, "soft_moe_experts": soft_moe_expert_benchmarks,
+             "training": training_benchmarks}
+    if only is not None and only not in parts:
+        raise ValueError(f"only must be one of {sorted(parts)}, got {only!r}.")
+    results = {"machine": machine(), "command": " ".join(["python -m mini_moe"] + sys.argv[1:]),
+               "repeats": repeats}
+    for name, fn in parts.items():
+        if only in (None, name):
+            print(f"[{name}]", flush=True)
+            results[name] = fn(repeats)
+    return results
+
+
+def summary(results: dict) -> str:
+    lines = [f"machine: {results['machine']['cpu']} ({results['machine']['cores']} cores, "
+             f"{results['machine']['backend']})"]
+    for r in results.get("layer", []):
+        lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense")
+    for r in results.get("soft_moe_experts", []):
+        lines.append(f"soft_moe E={r['experts']:4d} {r['ms']:9.2f} ms  x{r['ratio_to_E8']:.2f} of E=8")
+    for r in results.get("training", []):
+        lines.append(f"train {r['router']:36s} {r['images_per_second']:8.0f} img/s  x{r['throughput_vs_dense']:.2f} dense")
+    return "\n".join(lines)
