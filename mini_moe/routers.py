@@ -290,7 +290,8 @@ class SparsityConstrainedExpertChoice(Router, _ExpertChoiceOptions):
             probs, max_nonzeros=cap, tol=self.tol, max_iters=self.max_iters, return_info=True
         )
         rt = routing.expert_choice(plan, capacity=cap, combine_scores=probs)
-        return self._output(rt, probs, solver_iterations=info.iterations, solver_marginal_error=info.marginal_error)
+        return self._output(rt, probs, solver_iterations=jnp.mean(info.iterations.astype(jnp.float32)),
+                            solver_marginal_error=jnp.mean(info.marginal_error))
 
 
 def l2_normalize(x: Array, axis: int, eps: float = 1e-6) -> Array:

@@ -20,6 +20,7 @@ The simplex projections are exposed too: :func:`project_simplex` and
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -67,8 +68,14 @@ def sinkhorn(logits: Array, *, num_iters: int, epsilon: float = 1.0) -> Array:
     shape = _check_plan_inputs(logits)
     _check_positive("num_iters", num_iters, integer=True)
     _check_positive("epsilon", epsilon)
-    num_tokens, num_experts = shape[-2:]
-    kernel = jnp.asarray(logits, dtype=jnp.result_type(logits, jnp.float32)) / epsilon
+    return _sinkhorn(jnp.asarray(logits, dtype=jnp.result_type(logits, jnp.float32)),
+                     num_iters=int(num_iters), epsilon=float(epsilon))
+
+
+@functools.partial(jax.jit, static_argnames=("num_iters", "epsilon"))
+def _sinkhorn(logits, *, num_iters, epsilon):
+    num_tokens, num_experts = logits.shape[-2:]
+    kernel = logits / epsilon
     log_a = 0.0  # log of the token marginal, 1
     log_b = jnp.log(num_tokens / num_experts)
 
@@ -150,8 +157,14 @@ def quadratic_plan(scores: Array, *, gamma: float = 1.0, num_iters: int = 50) ->
     shape = _check_plan_inputs(scores, "scores")
     _check_positive("gamma", gamma)
     _check_positive("num_iters", num_iters, integer=True)
-    num_tokens, num_experts = shape[-2:]
-    kernel = jnp.asarray(scores, jnp.result_type(scores, jnp.float32)) / gamma
+    return _quadratic_plan(jnp.asarray(scores, jnp.result_type(scores, jnp.float32)),
+                           gamma=float(gamma), num_iters=int(num_iters))
+
+
+@functools.partial(jax.jit, static_argnames=("gamma", "num_iters"))
+def _quadratic_plan(scores, *, gamma, num_iters):
+    num_tokens, num_experts = scores.shape[-2:]
+    kernel = scores / gamma
     col_mass = jnp.asarray(num_tokens / num_experts, kernel.dtype)
 
     def row_potential(g):  # f with rows of [kernel + f + g]_+ summing to 1
@@ -176,13 +189,15 @@ def quadratic_plan(scores: Array, *, gamma: float = 1.0, num_iters: int = 50) ->
 
 
 class PlanInfo(NamedTuple):
-    """Convergence report of :func:`sparsity_constrained_plan`."""
+    """Convergence report of :func:`sparsity_constrained_plan`, one entry per group
+    (fields have the leading shape of the scores)."""
 
     iterations: Array  # iterations run
     marginal_error: Array  # max_t |sum_r P[t, r] - 1| of the returned plan
     mean_marginal_error: Array  # mean_t |sum_r P[t, r] - 1| of the returned plan
     objective: Array  # semi-dual objective at the end (it is minimised)
     converged: Array  # marginal_error <= tol, or the semi-dual objective stopped improving
+    # (the relaxation's optimum: read marginal_error to see how far the rows are from 1)
 
 
 def sparsity_constrained_plan(
@@ -232,19 +247,32 @@ def sparsity_constrained_plan(
     _check_positive("tol", tol)
     _check_positive("max_iters", max_iters, integer=True)
     _check_positive("patience", patience, integer=True)
-    num_tokens, num_experts = shape[-2:]
-    scores_t = jax.lax.stop_gradient(
-        jnp.swapaxes(jnp.asarray(scores, jnp.result_type(scores, jnp.float32)), -1, -2)
-    )  # [..., E, T]: one row per expert column
-    col_mass = num_tokens / num_experts
+    flat = jnp.asarray(scores, jnp.result_type(scores, jnp.float32)).reshape((-1,) + shape[-2:])
+    plan, info = _sparse_plan_groups(jax.lax.stop_gradient(flat), max_nonzeros=int(max_nonzeros), tol=float(tol),
+                                     max_iters=int(max_iters), patience=int(patience))
+    plan = plan.reshape(shape)
+    info = PlanInfo(*(field.reshape(shape[:-2]) for field in info))
+    return (plan, info) if return_info else plan
 
+
+@functools.partial(jax.jit, static_argnames=("max_nonzeros", "tol", "max_iters", "patience"))
+def _sparse_plan_groups(flat, **options):
+    """Solve every group of ``flat [G, T, E]`` independently (vmap of one-group solves)."""
+    return jax.vmap(functools.partial(_sparse_plan_one_group, **options))(flat)
+
+
+def _sparse_plan_one_group(scores, *, max_nonzeros, tol, max_iters, patience):
+    """Semi-dual solver of :func:`sparsity_constrained_plan` for one group ``[T, E]``."""
+    num_tokens, num_experts = scores.shape
+    scores_t = scores.T  # [E, T]: one row per expert column
+    col_mass = num_tokens / num_experts
     # Step scale: the dual potential lives on the scale of the scores' spread.
     spread = jnp.max(scores_t) - jnp.min(scores_t) + 1e-12
 
     def evaluate(f):
-        shifted = scores_t - f[..., None, :]
+        shifted = scores_t - f[None, :]
         plan_t = project_ksparse_simplex(shifted, max_nonzeros, col_mass)
-        residual = plan_t.sum(axis=-2) - 1.0  # minus the gradient of F
+        residual = plan_t.sum(axis=0) - 1.0  # minus the gradient of F
         objective = jnp.sum(f) + jnp.sum(plan_t * shifted) - 0.5 * jnp.sum(plan_t**2)
         return residual, jnp.mean(jnp.abs(residual)), jnp.max(jnp.abs(residual)), objective
 
@@ -269,11 +297,9 @@ def sparsity_constrained_plan(
             jnp.where(improved, 0, stall + 1),
         )
 
-    f0 = jnp.zeros(scores_t.shape[:-2] + (num_tokens,), scores_t.dtype)
+    f0 = jnp.zeros((num_tokens,), scores_t.dtype)
     _, err0, max0, obj0 = evaluate(f0)
     state = (jnp.asarray(0), f0, f0, err0, max0, obj0, jnp.asarray(0))
     iterations, _, f, err, max_err, obj, stall = jax.lax.while_loop(cond, body, state)
-    plan = jnp.swapaxes(project_ksparse_simplex(scores_t - f[..., None, :], max_nonzeros, col_mass), -1, -2)
-    if return_info:
-        return plan, PlanInfo(iterations, max_err, err, obj, (max_err <= tol) | (stall >= patience))
-    return plan
+    plan = project_ksparse_simplex(scores_t - f[None, :], max_nonzeros, col_mass).T
+    return plan, PlanInfo(iterations, max_err, err, obj, (max_err <= tol) | (stall >= patience))
