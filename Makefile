@@ -14,9 +14,15 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv book test unit nbval check-notebooks sync refresh clean
+.PHONY: venv data book test unit nbval check-notebooks sync refresh clean
 
 venv: $(STAMP)
+
+# Fashion-MNIST comes from Debian's package (IDX files in /usr/share/datasets/fashion-mnist).
+FMNIST_DIR := /usr/share/datasets/fashion-mnist
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+data:
+	@test -d $(FMNIST_DIR) || { $(SUDO) apt-get update && $(SUDO) apt-get install -y dataset-fashion-mnist; }
 
 # Re-install when the dependency list changes; the stamp keeps later runs instant.
 $(STAMP): pyproject.toml
@@ -26,18 +32,18 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # A stale _build/.doctrees can hide failing cells, so every build starts from scratch.
-book: venv
+book: venv data
 	rm -rf _build
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "HTML: _build/html/index.html"
 
 test: check-notebooks unit nbval
 
-unit: venv
+unit: venv data
 	$(PY) -m pytest tests
 
 # --nbval-current-env runs the chapters with the kernel of this venv.
-nbval: venv
+nbval: venv data
 	$(PY) -m pytest --nbval-lax --nbval-current-env $(CHAPTERS_NB)
 
 check-notebooks: venv

@@ -59,10 +59,10 @@ def moe(x: Array, routing: Routing, experts: Callable[[Array], Array], *, path: 
     if path == "einsum":
         slots = jnp.einsum("...tec,...td->...ecd", routing.dispatch.astype(x.dtype), x)
     else:
-        token = jnp.argmax(routing.dispatch, axis=-3)  # [..., E, C] token in each slot
-        filled = jnp.take_along_axis(routing.dispatch, token[..., None, :, :], axis=-3)[..., 0, :, :]
-        slots = jnp.take_along_axis(x, token.reshape(lead + (-1, 1)), axis=-2)  # [..., E*C, D]
-        slots = slots.reshape(lead + (num_experts, cap, -1)) * filled[..., None].astype(x.dtype)
+        token, weight = routing.slots()  # [..., E, C]; token T marks an empty slot
+        flat_token = token.reshape(lead + (num_experts * cap, 1))
+        slots = jnp.take_along_axis(x, flat_token, axis=-2, mode="fill", fill_value=0)
+        slots = slots.reshape(lead + (num_experts, cap, -1))
 
     # [..., E, C, D] -> [E, N, D]: every expert sees its slots of every group at once.
     expert_in = jnp.moveaxis(slots, -3, 0).reshape(num_experts, -1, slots.shape[-1])
@@ -71,18 +71,17 @@ def moe(x: Array, routing: Routing, experts: Callable[[Array], Array], *, path: 
 
     if path == "einsum":
         return jnp.einsum("...tec,...ecd->...td", routing.combine.astype(out.dtype), out)
-    weight = jnp.take_along_axis(routing.combine, token[..., None, :, :], axis=-3)[..., 0, :, :]
     contrib = (weight[..., None].astype(out.dtype) * out).reshape(lead + (num_experts * cap, -1))
     result = jnp.zeros(lead + (x_shape[-2], out.shape[-1]), out.dtype)
     return _scatter_add_rows(result, token.reshape(lead + (-1,)), contrib)
 
 
 def _scatter_add_rows(base, index, rows):
-    """base[..., index[..., j], :] += rows[..., j, :] over any leading axes."""
+    """base[..., index[..., j], :] += rows[..., j, :] over any leading axes (out-of-range rows dropped)."""
     flat_base = base.reshape((-1,) + base.shape[-2:])
     flat_index = index.reshape((-1, index.shape[-1]))
     flat_rows = rows.reshape((-1,) + rows.shape[-2:])
-    added = jax.vmap(lambda b, i, r: b.at[i].add(r))(flat_base, flat_index, flat_rows)
+    added = jax.vmap(lambda b, i, r: b.at[i].add(r, mode="drop"))(flat_base, flat_index, flat_rows)
     return added.reshape(base.shape)
 
 

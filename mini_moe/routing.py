@@ -45,11 +45,46 @@ class Routing:
       sparse: static flag: every slot holds at most one token and ``combine`` is zero
         wherever ``dispatch`` is. Sparse routings may use the gather/scatter path of
         :func:`mini_moe.layer.moe`.
+      slot_token: optional ``int32 [..., E, C]``, the same sparse routing in compact
+        form: the token in each slot, or T for an empty slot.
+      slot_weight: optional ``[..., E, C]``, the combine weight of each slot (0 if empty).
+
+    :func:`token_choice` and :func:`expert_choice` fill both forms; the dense tensors
+    are built from the compact one, so under ``jit`` XLA drops them when only the
+    gather path and :func:`routing_metrics` use the routing.
     """
 
     dispatch: Array
     combine: Array
-    sparse: bool = flax.struct.field(pytree_node=False, default=True)
+    sparse: bool = flax.struct.field(pytree_node=False)
+    slot_token: Array | None = None
+    slot_weight: Array | None = None
+
+    def slots(self):
+        """``(slot_token, slot_weight)`` of a sparse routing, from the dense tensors if needed."""
+        if not self.sparse:
+            raise ValueError("slots() needs a sparse routing (one token per slot).")
+        if self.slot_token is not None:
+            return self.slot_token, self.slot_weight
+        num_tokens = self.dispatch.shape[-3]
+        token = jnp.argmax(self.dispatch, axis=-3)  # [..., E, C]
+        filled = jnp.take_along_axis(self.dispatch, token[..., None, :, :], axis=-3)[..., 0, :, :] > 0
+        weight = jnp.take_along_axis(self.combine, token[..., None, :, :], axis=-3)[..., 0, :, :]
+        return jnp.where(filled, token, num_tokens), jnp.where(filled, weight, 0)
+
+
+def _from_slots(slot_token, slot_weight, num_tokens, dtype) -> Routing:
+    """Dense routing tensors ``[..., T, E, C]`` from the compact form."""
+    dispatch = jnp.moveaxis(jax.nn.one_hot(slot_token, num_tokens, dtype=dtype), -1, -3)  # T -> empty
+    combine = dispatch * slot_weight[..., None, :, :].astype(dtype)
+    return Routing(dispatch, combine, sparse=True, slot_token=slot_token, slot_weight=slot_weight)
+
+
+def _slot_weights(slot_token, weights):
+    """``weights[slot_token[e, c], e]`` for filled slots, 0 for empty ones (any leading axes)."""
+    num_tokens = weights.shape[-2]
+    picked = jnp.take_along_axis(jnp.swapaxes(weights, -1, -2), jnp.minimum(slot_token, num_tokens - 1), axis=-1)
+    return jnp.where(slot_token < num_tokens, picked, 0).astype(weights.dtype)
 
 
 def capacity(num_tokens: int, num_experts: int, factor: float) -> int:
@@ -86,11 +121,6 @@ def _check_scores(scores, combine_scores, min_rank: int = 2, name: str = "scores
             f"got {np.shape(combine_scores)}."
         )
     return shape
-
-
-def _combine(dispatch, scores, combine_scores):
-    weights = scores if combine_scores is None else combine_scores
-    return dispatch * weights[..., None].astype(dispatch.dtype)
 
 
 # --------------------------------------------------------------------- token choice
@@ -131,32 +161,31 @@ def token_choice(
     if k > num_experts:
         raise ValueError(f"k must be <= the number of experts E={num_experts}, got k={k}.")
     scores = jnp.asarray(scores)
-
-    if batch_priority:
-        order = jnp.argsort(-jnp.max(scores, axis=-1), axis=-1, stable=True)  # [..., T]
-        inverse = jnp.argsort(order, axis=-1)
-        sorted_scores = jnp.take_along_axis(scores, order[..., None], axis=-2)
-        dispatch = _token_choice_dispatch(sorted_scores, capacity, k)
-        dispatch = jnp.take_along_axis(dispatch, inverse[..., None, None], axis=-3)
-    else:
-        dispatch = _token_choice_dispatch(scores, capacity, k)
-    return Routing(dispatch, _combine(dispatch, scores, combine_scores), sparse=True)
+    weights = scores if combine_scores is None else jnp.asarray(combine_scores)
+    flat = scores.reshape((-1, num_tokens, num_experts))
+    slot_token = jax.vmap(lambda s: _token_choice_slots(s, capacity, k, batch_priority))(flat)
+    slot_token = slot_token.reshape(shape[:-2] + slot_token.shape[-2:])
+    return _from_slots(slot_token, _slot_weights(slot_token, weights), num_tokens, scores.dtype)
 
 
-def _token_choice_dispatch(scores, capacity, k):
-    """Dispatch of Algorithm 1 for tokens visited in their given order."""
-    num_tokens, num_experts = scores.shape[-2:]
-    _, experts = jax.lax.top_k(scores, k)  # [..., T, k]; ties -> lower expert index
-    picks = jax.nn.one_hot(experts, num_experts, dtype=jnp.int32)  # [..., T, k, E]
-    # Round-major order: all first choices, then all second choices, ...
-    picks = jnp.swapaxes(picks, -3, -2)  # [..., k, T, E]
-    flat = picks.reshape(picks.shape[:-3] + (k * num_tokens, num_experts))
-    position = jnp.cumsum(flat, axis=-2) - flat  # tokens already sent to that expert
-    kept = flat * (position < capacity)
-    slot = jax.nn.one_hot(position, capacity, dtype=scores.dtype)  # [..., kT, E, C]
-    dispatch = kept[..., None].astype(scores.dtype) * slot
-    dispatch = dispatch.reshape(picks.shape[:-3] + (k, num_tokens, num_experts, capacity))
-    return dispatch.sum(axis=-4)  # a token never picks the same expert twice
+def _token_choice_slots(scores, capacity, k, batch_priority):
+    """Algorithm 1 for one group ``[T, E]``: the token in each buffer slot ``[E, C]``."""
+    num_tokens, num_experts = scores.shape
+    if batch_priority:  # visit tokens by decreasing top-1 score (stable), in every round
+        order = jnp.argsort(-jnp.max(scores, axis=-1), stable=True)
+        scores = scores[order]
+    _, experts = jax.lax.top_k(scores, k)  # [T, k]; ties -> lower expert index
+    expert = experts.T.reshape(-1)  # round-major: all first choices, then second, ...
+    token = jnp.tile(jnp.arange(num_tokens), k)
+    picks = jax.nn.one_hot(expert, num_experts, dtype=jnp.int32)  # [kT, E]
+    before = jnp.cumsum(picks, axis=0) - picks  # tokens already sent to each expert
+    position = jnp.take_along_axis(before, expert[:, None], axis=1)[:, 0]
+    # Picks at position >= C fall outside the buffer and are dropped (mode="drop").
+    slot_token = jnp.full((num_experts, capacity), num_tokens, jnp.int32)
+    slot_token = slot_token.at[expert, position].set(token, mode="drop")
+    if batch_priority:  # back to the tokens' own indices
+        slot_token = jnp.where(slot_token < num_tokens, order[jnp.minimum(slot_token, num_tokens - 1)], num_tokens)
+    return slot_token
 
 
 def token_choice_loop(scores, *, capacity, k=1, batch_priority=False, combine_scores=None):
@@ -213,10 +242,10 @@ def expert_choice(scores: Array, *, capacity: int, combine_scores: Array | None 
             f"got capacity={capacity}."
         )
     scores = jnp.asarray(scores)
-    _, tokens = jax.lax.top_k(jnp.swapaxes(scores, -1, -2), capacity)  # [..., E, C]
-    dispatch = jax.nn.one_hot(tokens, num_tokens, dtype=scores.dtype)  # [..., E, C, T]
-    dispatch = jnp.moveaxis(dispatch, -1, -3)  # [..., T, E, C]
-    return Routing(dispatch, _combine(dispatch, scores, combine_scores), sparse=True)
+    weights = scores if combine_scores is None else jnp.asarray(combine_scores)
+    _, slot_token = jax.lax.top_k(jnp.swapaxes(scores, -1, -2), capacity)  # [..., E, C]
+    slot_token = slot_token.astype(jnp.int32)
+    return _from_slots(slot_token, _slot_weights(slot_token, weights), num_tokens, scores.dtype)
 
 
 def expert_choice_loop(scores, *, capacity, combine_scores=None):
@@ -276,6 +305,19 @@ def routing_metrics(routing: Routing) -> dict[str, Array]:
       * ``tokens_per_expert``: ``[E]``, mean number of (token, slot) pairs per expert;
       * ``buffer_fill``: fraction of the E*C slots that hold any token.
     """
+    if routing.slot_token is not None:  # compact form: no [T, E, C] work
+        num_tokens = routing.dispatch.shape[-3]
+        token = routing.slot_token
+        filled = token < num_tokens  # [..., E, C]
+        flat = token.reshape((-1, token.shape[-2] * token.shape[-1]))
+        hits = jax.vmap(lambda t: jnp.zeros(num_tokens, jnp.int32).at[t].add(1, mode="drop"))(flat)
+        lead = tuple(range(filled.ndim - 2))
+        return {
+            "dropped": jnp.mean(hits == 0),
+            "experts_per_token": jnp.mean(hits),  # an expert takes a token at most once
+            "tokens_per_expert": jnp.mean(filled.sum(axis=-1), axis=lead),
+            "buffer_fill": jnp.mean(filled),
+        }
     nonzero = routing.dispatch > 0  # [..., T, E, C]
     reached = nonzero.any(axis=-1)  # [..., T, E]
     lead = tuple(range(nonzero.ndim - 3))

@@ -43,7 +43,7 @@ def test_einsum_and_gather_paths_agree_with_gradients(experts, name):
     np.testing.assert_allclose(layer.moe(x, rt, experts), outs["gather"])  # auto -> gather
 
     def loss(model, x, combine, path):
-        out = layer.moe(x, routing.Routing(rt.dispatch, combine), model, path=path)
+        out = layer.moe(x, routing.Routing(rt.dispatch, combine, sparse=True), model, path=path)
         return jnp.sum(jnp.sin(out))
 
     grads = {p: nnx.grad(loss, argnums=(0, 1, 2))(experts, x, rt.combine, p) for p in ("einsum", "gather")}
@@ -96,7 +96,7 @@ def test_jit_and_vmap(experts):
     eager = layer.moe(x, rt, experts)
     jitted = nnx.jit(lambda m, x, rt: layer.moe(x, rt, m))(experts, x, rt)
     np.testing.assert_allclose(eager, jitted, rtol=1e-5, atol=1e-6)
-    single = [layer.moe(x[g], routing.Routing(rt.dispatch[g], rt.combine[g]), experts) for g in range(2)]
+    single = [layer.moe(x[g], routing.Routing(rt.dispatch[g], rt.combine[g], sparse=True), experts) for g in range(2)]
     np.testing.assert_allclose(eager, np.stack(single), rtol=1e-5, atol=1e-6)
 
 
