@@ -193,13 +193,14 @@ def plot_expert_maps(images: np.ndarray, maps: np.ndarray, *, num_experts: int, 
 
 
 def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 128,
-                      scale=(0.35, 1.0)) -> list[dict]:
+                      scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True) -> list[dict]:
     """Paper 004 Table 4: expert-selection match ratios of corresponding patches.
 
     For each image, two random resized crops (+ flips) are drawn; the higher-resolution
     view is view 1. For every view-1 patch whose centre lands inside view 2, the top-1
     (and top-2) experts of its distribution are compared with those of the nearest
-    view-2 patch. Returns one dict per MoE layer: ``top1``, ``top2`` (both in order),
+    view-2 patch. ``scale``, ``ratio`` and ``flip`` go to
+    :func:`mini_moe.data.random_resized_crop`. Returns one dict per MoE layer: ``top1``, ``top2`` (both in order),
     ``top2_unordered`` and ``pairs`` (number of patch pairs compared).
     """
     cfg = model.cfg
@@ -208,8 +209,9 @@ def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: i
     with _eval_mode(model):
         for batch, n in _padded_batches(images, batch_size, cfg.group_images):
             batch = np.asarray(batch)
-            v1, t1 = data_lib.random_resized_crop(rng, batch, out_size=cfg.image_size, scale=scale)
-            v2, t2 = data_lib.random_resized_crop(rng, batch, out_size=cfg.image_size, scale=scale)
+            crop = dict(out_size=cfg.image_size, scale=scale, ratio=ratio, flip=flip)
+            v1, t1 = data_lib.random_resized_crop(rng, batch, **crop)
+            v2, t2 = data_lib.random_resized_crop(rng, batch, **crop)
             v1, t1, v2, t2 = order_views(v1, t1, v2, t2, out_size=cfg.image_size)
             index, valid = data_lib.patch_correspondence(
                 t1, t2, out_size1=cfg.image_size, out_size2=cfg.image_size, patch_size=cfg.patch_size)

@@ -1,0 +1,292 @@
+"""Model, configs, training (exact resume, NaN guard), evaluation, PRC loss and the CLI."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from sklearn.linear_model import Ridge
+
+from mini_moe import __main__ as cli
+from mini_moe import config as config_lib
+from mini_moe import data as data_lib
+from mini_moe import evaluate, losses, train
+from mini_moe.model import ModelConfig, VisionMoE, patchify
+
+TINY = dict(steps=6, batch_size=32, eval_every=3, checkpoint_every=3, eval_batch_size=64,
+            model_dim=16, model_depth=2, model_heads=2, model_mlp_dim=16, model_num_experts=4,
+            model_group_images=4)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    cfg = config_lib.get_config("quick", dataset="digits")
+    return train.load_data(cfg)
+
+
+def _cfg(router="softmax_token_choice", **kw):
+    return config_lib.get_config("quick", dataset="digits", router=router, **{**TINY, **kw})
+
+
+def _params(model):
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+
+
+# -------------------------------------------------------------------------- model
+
+
+def test_patchify_is_row_major_patches():
+    images = np.arange(2 * 4 * 4 * 1, dtype=np.float32).reshape(2, 4, 4, 1)
+    p = np.asarray(patchify(images, 2))
+    assert p.shape == (2, 4, 4)
+    np.testing.assert_array_equal(p[0, 1], images[0, 0:2, 2:4, 0].reshape(-1))  # top-right patch
+    np.testing.assert_array_equal(p[1, 2], images[1, 2:4, 0:2, 0].reshape(-1))  # bottom-left
+
+
+def test_moe_placement_and_dense_baseline():
+    assert ModelConfig(depth=6, placement="every2").moe_blocks() == (1, 3, 5)
+    assert ModelConfig(depth=6, placement="last2").moe_blocks() == (4, 5)
+    assert ModelConfig(router=None).moe_blocks() == ()
+    dense = VisionMoE(ModelConfig(router=None, image_size=8, patch_size=2, dim=16, heads=2, mlp_dim=16),
+                      rngs=nnx.Rngs(0))
+    out = dense(jnp.ones((3, 8, 8, 1)))
+    assert out.logits.shape == (3, 10) and out.metrics == () and float(out.aux_loss) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(image_size=30, patch_size=4), "divisible by patch_size"),
+        (dict(router="top1"), "Unknown router"),
+        (dict(placement="last9", depth=4), "placement"),
+        (dict(dim=30, heads=4), "divisible by heads"),
+        (dict(patch_size=0), "patch_size"),
+    ],
+)
+def test_model_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**kwargs)
+
+
+def test_model_rejects_wrong_images_and_ragged_groups():
+    cfg = ModelConfig(router="softmax_expert_choice", image_size=8, patch_size=2, dim=16, heads=2,
+                      mlp_dim=16, num_experts=4, group_images=4)
+    model = VisionMoE(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="images must have shape"):
+        model(jnp.ones((4, 9, 9, 1)))
+    with pytest.raises(ValueError, match="multiple of group_images"):
+        model(jnp.ones((6, 8, 8, 1)))
+    out = model(jnp.ones((8, 8, 8, 1)), return_routing=True)
+    assert len(out.routings) == 2 and out.routings[0].dispatch.shape[:2] == (2, 4 * 16)  # 2 groups of 4 images
+    assert out.probs[0].shape == (8, 16, 4)
+
+
+def test_config_overrides_and_errors():
+    cfg = config_lib.get_config("quick", dataset="fashion_mnist", router="soft_moe", model_num_experts=7, steps=10)
+    assert cfg.model.num_experts == 7 and cfg.steps == 10 and cfg.warmup_steps == 1
+    assert dict(cfg.model.router_kwargs)["slots_per_expert"] == round(49 / 7)  # S = round(T / E)
+    with pytest.raises(ValueError, match="Unknown config field"):
+        config_lib.get_config("quick", learning_rat=1.0)
+    with pytest.raises(ValueError, match="Unknown dataset"):
+        config_lib.get_config("quick", dataset="mnist")
+    with pytest.raises(ValueError, match="scale"):
+        config_lib.get_config("huge")
+    with pytest.raises(ValueError, match="prc=True needs a sparse router"):
+        config_lib.get_config("quick", router="soft_moe", prc=True)
+
+
+def test_scale_switch(monkeypatch):
+    monkeypatch.setenv("MINI_MOE_SCALE", "full")
+    assert config_lib.default_scale() == "full"
+    monkeypatch.setenv("MINI_MOE_SCALE", "tiny")
+    with pytest.raises(ValueError, match="MINI_MOE_SCALE"):
+        config_lib.default_scale()
+    monkeypatch.delenv("MINI_MOE_SCALE")
+    assert config_lib.default_scale() == ("quick" if jax.default_backend() == "cpu" else "full")
+
+
+# ----------------------------------------------------------------------- training
+
+
+def test_resume_ends_with_the_same_parameters(tmp_path, digits, monkeypatch):
+    cfg = _cfg()  # noisy router: the noise RNG state must be checkpointed too
+    train.train(cfg, tmp_path / "straight", progress=False, datasets=digits)
+    straight, _ = train.load_trained(tmp_path / "straight")
+
+    real_step, calls = train._step, {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:  # after the checkpoint at step 3
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(train, "_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train.train(cfg, tmp_path / "resumed", progress=False, datasets=digits)
+    monkeypatch.setattr(train, "_step", real_step)
+    history = train.train(cfg, tmp_path / "resumed", progress=False, datasets=digits)
+    resumed, _ = train.load_trained(tmp_path / "resumed")
+    for a, b in zip(_params(straight), _params(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert [r["step"] for r in history["eval"]] == [3, 6]
+    saved = json.loads((tmp_path / "resumed" / "history.json").read_text())
+    assert saved["eval"][-1]["step"] == 6
+    with pytest.raises(ValueError, match="different configuration"):
+        train.train(_cfg(learning_rate=0.5), tmp_path / "resumed", progress=False, datasets=digits)
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path, digits, monkeypatch):
+    cfg = _cfg(router="soft_moe")
+    real_batch = train.batch_at
+
+    def poisoned(dataset, cfg, step):
+        images, labels = real_batch(dataset, cfg, step)
+        return (images * np.nan if step == 4 else images), labels
+
+    monkeypatch.setattr(train, "batch_at", poisoned)
+    with pytest.raises(ValueError, match=r"not finite at step 4.*last good checkpoint is step 3"):
+        train.train(cfg, tmp_path, progress=False, datasets=digits)
+    model, _ = train.load_trained(tmp_path)  # the step-3 checkpoint
+    assert all(np.isfinite(p).all() for p in _params(model))
+
+
+def test_training_learns_digits(tmp_path, digits):
+    cfg = _cfg(router="sinkhorn_expert_choice", steps=120, eval_every=120, checkpoint_every=120,
+               learning_rate=3e-3, model_dim=32, model_mlp_dim=32)
+    history = train.train(cfg, tmp_path, progress=False, datasets=digits)
+    assert history["eval"][-1]["test_accuracy"] > 0.4  # chance is 0.1
+    assert history["train"][0]["loss"] > history["train"][-1]["loss"]
+
+
+# --------------------------------------------------------------------- evaluation
+
+
+def test_ridge_probe_equals_sklearn():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 6)), rng.integers(0, 4, 40)
+    xt, yt = rng.normal(size=(30, 6)), rng.integers(0, 4, 30)
+    ours = evaluate.ridge_probe(x, y, xt, yt, num_classes=4, l2=2.0)
+    mean, std = x.mean(0), x.std(0) + 1e-6
+    ridge = Ridge(alpha=2.0, fit_intercept=True).fit((x - mean) / std, np.eye(4)[y])
+    expected = np.mean(ridge.predict((xt - mean) / std).argmax(1) == yt)
+    assert ours == pytest.approx(expected)
+
+
+def test_few_shot_uses_k_images_per_class(digits, monkeypatch):
+    train_ds, test_ds = digits
+    model = train.make_model(_cfg(router="soft_moe"))
+    seen = {}
+    real = evaluate.ridge_probe
+
+    def spy(train_x, train_y, *args, **kwargs):
+        seen["counts"] = np.bincount(train_y, minlength=10)
+        return real(train_x, train_y, *args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "ridge_probe", spy)
+    acc = evaluate.few_shot_accuracy(model, train_ds, test_ds, shots=10)
+    np.testing.assert_array_equal(seen["counts"], 10)
+    assert 0.0 <= acc <= 1.0
+    with pytest.raises(ValueError, match="shots"):
+        evaluate.few_shot_accuracy(model, train_ds, test_ds, shots=0)
+
+
+@pytest.mark.parametrize("router", ["softmax_expert_choice", "softmax_token_choice", "soft_moe"])
+def test_router_report_and_expert_maps(digits, router):
+    _, test_ds = digits
+    cfg = _cfg(router=router, model_router_kwargs={"k": 2} if "token" in router else {})
+    model = train.make_model(cfg)
+    images = test_ds.images[:24]
+    report = evaluate.router_report(model, images, batch_size=8)
+    layers = len(cfg.model.moe_blocks())  # every2: block 1; Soft MoE's last2: blocks 0, 1
+    assert len(report) == layers == (2 if router == "soft_moe" else 1)
+    layer = report[-1]
+    conf = layer["confidence"]
+    assert conf["top1"] >= conf["top2"] and conf["top1"] + conf["top2"] + conf["rest"] == pytest.approx(1.0, abs=1e-5)
+    tokens = 4 * 16  # group of 4 images x 16 patches
+    if router == "softmax_expert_choice":
+        cap = (tokens + 2) // 4
+        np.testing.assert_allclose(layer["tokens_per_expert"], cap)  # every buffer full
+        assert layer["buffer_fill"] == pytest.approx(1.0)
+    if router == "soft_moe":
+        assert layer["dropped"] == 0.0
+    maps = evaluate.expert_maps(model, images[:8])
+    assert maps.shape == (layers, 8, 4, 4)
+    assert maps.min() >= -1 and maps.max() < 4
+    out = model(jnp.asarray(images[:8]), return_routing=True)
+    for layer_maps, rt in zip(maps, out.routings):
+        reached = np.asarray(rt.dispatch).reshape(8, 16, 4, -1).sum(axis=(-1, -2)) > 0
+        np.testing.assert_array_equal(layer_maps.reshape(8, 16) >= 0, reached)  # -1 exactly where dropped
+    fig = evaluate.plot_expert_maps(images[:8], maps, num_experts=4)
+    assert len(fig.axes) == 16
+
+
+def test_routing_stability_is_one_for_identical_views(digits):
+    _, test_ds = digits
+    model = train.make_model(_cfg(router="softmax_token_choice", model_router_kwargs={"k": 2}))
+    same = evaluate.routing_stability(model, test_ds.images[:16], scale=(1.0, 1.0), ratio=(1.0, 1.0), flip=False)
+    assert same[0]["top1"] == 1.0 and same[0]["top2"] == 1.0 and same[0]["pairs"] == 16 * 16
+    varied = evaluate.routing_stability(model, test_ds.images[:16], seed=1)
+    r = varied[0]
+    assert 0 <= r["top2"] <= r["top1"] <= 1 and r["top2"] <= r["top2_unordered"] <= 1 and r["pairs"] > 0
+
+
+# ---------------------------------------------------------------------------- PRC
+
+
+def test_prc_loss_known_values():
+    e = 2
+    probs = jnp.tile(jnp.array([1.0, 0.0]), (1, 3, 1))  # every patch: expert 0, one-hot
+    index, valid = jnp.array([[0, 1, 2]]), jnp.ones((1, 3), bool)
+    # S = E/|U| * sum r1 r2^T = 2 * [[1, 0], [0, 0]]: diag terms (1-2)^2 + (1-0)^2 = 2.
+    loss = losses.pairwise_router_consistency(probs, probs, index, valid, lambda_diag=1.0, lambda_offdiag=1.0)
+    assert float(loss) == pytest.approx(1.0 / e * 2)
+    # Uniform distributions: S = 2 * 0.25 = 0.5 everywhere.
+    uniform = jnp.full((1, 3, 2), 0.5)
+    loss = losses.pairwise_router_consistency(uniform, uniform, index, valid, lambda_diag=1.0, lambda_offdiag=1.0)
+    assert float(loss) == pytest.approx(0.5 * 2 * 0.25 + 1.0 / 2 * 2 * 0.25)
+    # Invalid pairs are ignored; the partner is looked up through index.
+    mixed = jnp.array([[[1.0, 0.0], [0.0, 1.0], [0.3, 0.7]]])
+    loss_a = losses.pairwise_router_consistency(mixed[:, :2], mixed, jnp.array([[0, 1]]), jnp.ones((1, 2), bool))
+    loss_b = losses.pairwise_router_consistency(mixed, mixed, jnp.array([[0, 1, 2]]), jnp.array([[True, True, False]]))
+    assert float(loss_a) == pytest.approx(float(loss_b))
+    with pytest.raises(ValueError, match="index and valid"):
+        losses.pairwise_router_consistency(mixed, mixed, jnp.array([[0, 1]]), jnp.ones((1, 2), bool))
+
+
+def test_prc_training_step_runs(tmp_path, digits):
+    cfg = _cfg(prc=True, aux_loss_weight=0.0, steps=3, eval_every=3, checkpoint_every=3)
+    history = train.train(cfg, tmp_path, progress=False, datasets=digits)
+    assert history["eval"][-1]["step"] == 3
+    v1, v2, labels, index, valid = train.batch_at(digits[0], cfg, 0)
+    assert v1.shape == v2.shape == (32, 8, 8, 1) and index.shape == valid.shape == (32, 16)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_cli_help_lists_routers_and_datasets(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = capsys.readouterr().out
+    for name in ["softmax_token_choice", "sparsity_constrained_expert_choice", "soft_moe", "svmoe", "dense",
+                 "fashion_mnist", "cifar100"]:
+        assert name in text
+
+
+def test_cli_train_and_evaluate(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", "--router", "softmax_expert_choice", "--dataset", "digits", "--steps", "4", "--out", str(out)]
+    for key, value in [("batch_size", 32), ("eval_every", 4), ("model_dim", 16), ("model_depth", 2),
+                       ("model_heads", 2), ("model_mlp_dim", 16), ("model_group_images", 4)]:
+        args += ["--set", f"{key}={value}"]
+    cli.main(args)
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
+    cli.main(["evaluate", str(out), "--images", "64"])
+    result = json.loads((out / "evaluation.json").read_text())
+    assert {"test_accuracy", "10_shot_accuracy", "routers", "stability"} <= set(result)
+    assert (out / "expert_maps.png").exists()
+    with pytest.raises(SystemExit, match="Unknown config field"):
+        cli.main(["train", "--dataset", "digits", "--set", "nonsense=1", "--out", str(tmp_path / "x")])
