@@ -4,7 +4,9 @@
 
 * ``config.json`` — the configuration;
 * ``checkpoints/`` — Orbax checkpoints of the model, optimizer and step (the last two);
-* ``history.json`` — training loss, auxiliary loss, test accuracy and router metrics.
+* ``history.json`` — training loss, auxiliary loss, test accuracy and router metrics;
+  ``seconds`` is training time only (evaluation and checkpointing excluded), the clock
+  that ``max_seconds`` limits.
 
 Resuming (``resume=True``, the default) continues from the newest checkpoint and ends
 with exactly the parameters of an uninterrupted run: the batch of step s depends only on
@@ -233,12 +235,11 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         history_path.write_text(json.dumps(history, indent=1))
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"{cfg.model.router or 'dense'}")
-    clock = time.perf_counter()
-    elapsed0 = history["seconds"]
-    step = start
     for step in range(start, cfg.steps):
+        tick = time.perf_counter()
         stats = _step(model, optimizer, batch_at(train_ds, cfg, step), cfg)
-        loss = float(stats["loss"])
+        loss = float(stats["loss"])  # waits for the step: the time below is the step's
+        history["seconds"] += time.perf_counter() - tick  # training time (no eval, no I/O)
         if not math.isfinite(loss) or not math.isfinite(float(stats["aux_loss"])):
             last = manager.latest_step()
             write_history()
@@ -249,7 +250,6 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
                 "Lower learning_rate or raise grad clipping, then resume."
             )
         done = step + 1
-        history["seconds"] = elapsed0 + time.perf_counter() - clock
         if done % 50 == 0 or done == cfg.steps:
             row = {"step": done, "seconds": round(history["seconds"], 2)}
             row.update({k: float(v) for k, v in stats.items() if k != "router"})
@@ -260,7 +260,8 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         if done % cfg.eval_every == 0 or done == cfg.steps or out_of_time:
             acc = evaluate.accuracy(model, test_ds, batch_size=cfg.eval_batch_size)
             history["eval"].append({"step": done, "seconds": round(history["seconds"], 2), "test_accuracy": acc})
-            bar.write(f"step {done}: test accuracy {acc:.4f}") if progress else None
+            if progress:
+                bar.write(f"step {done}: test accuracy {acc:.4f}")
         if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:
             save_checkpoint(manager, done, model, optimizer)
             write_history()
