@@ -188,23 +188,27 @@ def _token_choice_slots(scores, capacity, k, batch_priority):
     return slot_token
 
 
+def _loop_inputs(scores, combine_scores, capacity):
+    """NumPy scores and combine weights of one group, and zero routing tensors [T, E, C]."""
+    scores = np.asarray(scores, dtype=np.float64)
+    if scores.ndim != 2:
+        raise ValueError(f"scores must have shape [T, E], got {scores.shape}.")
+    weights = scores if combine_scores is None else np.asarray(combine_scores, np.float64)
+    zeros = np.zeros(scores.shape + (capacity,))
+    return scores, weights, zeros, zeros.copy()
+
+
 def token_choice_loop(scores, *, capacity, k=1, batch_priority=False, combine_scores=None):
     """Algorithm 1 of paper 000 as printed: plain loops over one group ``[T, E]``.
 
     Same semantics as :func:`token_choice` (which the tests check it against); returns
     NumPy arrays ``(dispatch, combine)`` of shape ``[T, E, C]``.
     """
-    scores = np.asarray(scores, dtype=np.float64)
-    if scores.ndim != 2:
-        raise ValueError(f"scores must have shape [T, E], got {scores.shape}.")
-    weights = scores if combine_scores is None else np.asarray(combine_scores, np.float64)
-    num_tokens, num_experts = scores.shape
-    dispatch = np.zeros((num_tokens, num_experts, capacity))
-    combine = np.zeros((num_tokens, num_experts, capacity))
-    if batch_priority:
+    scores, weights, dispatch, combine = _loop_inputs(scores, combine_scores, capacity)
+    if batch_priority:  # most confident tokens first (stable sort), in every round
         order = np.argsort(-scores.max(axis=1), kind="stable")
     else:
-        order = np.arange(num_tokens)
+        order = np.arange(scores.shape[0])
     for i in range(k):  # the i-th choice of every token ...
         for t in order:  # ... before anybody's (i+1)-th choice
             r = np.argsort(-scores[t], kind="stable")[i]  # index of the i-th largest score
@@ -253,14 +257,8 @@ def expert_choice_loop(scores, *, capacity, combine_scores=None):
 
     One group ``[T, E]``; returns NumPy ``(dispatch, combine)`` of shape ``[T, E, C]``.
     """
-    scores = np.asarray(scores, dtype=np.float64)
-    if scores.ndim != 2:
-        raise ValueError(f"scores must have shape [T, E], got {scores.shape}.")
-    weights = scores if combine_scores is None else np.asarray(combine_scores, np.float64)
-    num_tokens, num_experts = scores.shape
-    dispatch = np.zeros((num_tokens, num_experts, capacity))
-    combine = np.zeros((num_tokens, num_experts, capacity))
-    for r in range(num_experts):
+    scores, weights, dispatch, combine = _loop_inputs(scores, combine_scores, capacity)
+    for r in range(scores.shape[1]):
         ranking = np.argsort(-scores[:, r], kind="stable")
         for c in range(capacity):
             t = ranking[c]  # the token with the c-th largest score for expert r
