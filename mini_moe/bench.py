@@ -4,6 +4,8 @@
   against a dense MLP with the same activated FLOPs (hidden H on every token; the MoE
   layer runs k = c = 1, i.e. about one expert of hidden H per token), at the quick
   model's shapes and at a B/32-like layer (8 images x 49 tokens, D=768, H=3072, E=32).
+  ``experts_only`` times the E experts on their E*C slots without any routing, so
+  ``ratio_to_experts_only`` isolates what the router and dispatch/combine cost.
 * ``soft_moe_experts`` — Soft MoE forward + backward as E goes from 8 to 256 with the
   total number of slots fixed (paper 002, Figure 6: the cost should stay flat).
 * ``training`` — training images per second of each V-MoE and of the dense ViT at the
@@ -94,13 +96,23 @@ def layer_benchmarks(repeats: int) -> list[dict]:
         dense = DenseMlp(dim, hidden, rngs=rng)
         dense_ms = time_fn(_fwd_bwd(lambda m, x: m(x)), dense, x_sparse, repeats=repeats)
         results.append({"shape": shape_name, "router": "dense_mlp", "ms": round(dense_ms, 3), "ratio": 1.0})
+        # The experts alone on their E * C slots: the part no router can avoid. On a CPU the
+        # E-fold larger expert weights (memory traffic) can make this alone exceed the dense MLP.
+        cap = max(1, round(per_group * tokens / experts))
+        slots = jnp.ones((experts, groups * cap, dim))
+        experts_ms = time_fn(_fwd_bwd(lambda m, x: m(x)), layer_lib.MlpExperts(experts, dim, hidden, rngs=rng),
+                             slots, repeats=repeats)
+        results.append({"shape": shape_name, "router": "experts_only", "ms": round(experts_ms, 3),
+                        "ratio": round(experts_ms / dense_ms, 3)})
+        print(f"  layer {shape_name:5s} {'experts_only':36s} {experts_ms:9.2f} ms  x{experts_ms / dense_ms:.2f}", flush=True)
         for name in sorted(routers_lib.ROUTERS):
             kwargs = {"slots_per_expert": max(1, round(tokens / experts))} if name == "soft_moe" else {}
             router = routers_lib.make_router(name, dim, experts, rngs=rng, **kwargs)
             module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
             x = x_images if name == "soft_moe" else x_sparse
             ms = time_fn(_fwd_bwd(lambda m, x: m(x)), module, x, repeats=repeats)
-            results.append({"shape": shape_name, "router": name, "ms": round(ms, 3), "ratio": round(ms / dense_ms, 3)})
+            results.append({"shape": shape_name, "router": name, "ms": round(ms, 3), "ratio": round(ms / dense_ms, 3),
+                            "ratio_to_experts_only": round(ms / experts_ms, 3)})
             print(f"  layer {shape_name:5s} {name:36s} {ms:9.2f} ms  x{ms / dense_ms:.2f}", flush=True)
     return results
 
@@ -166,7 +178,8 @@ def summary(results: dict) -> str:
     lines = [f"machine: {results['machine']['cpu']} ({results['machine']['cores']} cores, "
              f"{results['machine']['backend']})"]
     for r in results.get("layer", []):
-        lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense")
+        extra = f"  x{r['ratio_to_experts_only']:.2f} experts-only" if "ratio_to_experts_only" in r else ""
+        lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense{extra}")
     for r in results.get("soft_moe_experts", []):
         lines.append(f"soft_moe E={r['experts']:4d} {r['ms']:9.2f} ms  x{r['ratio_to_E8']:.2f} of E=8")
     for r in results.get("training", []):
