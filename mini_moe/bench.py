@@ -25,7 +25,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from mini_moe import layer as layer_lib

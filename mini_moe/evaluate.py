@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

@@ -65,7 +65,7 @@ def sinkhorn(logits: Array, *, num_iters: int, epsilon: float = 1.0) -> Array:
     Returns:
       The plan ``[..., T, E]``, differentiable through the unrolled iterations.
     """
-    shape = _check_plan_inputs(logits)
+    _check_plan_inputs(logits)
     _check_positive("num_iters", num_iters, integer=True)
     _check_positive("epsilon", epsilon)
     return _sinkhorn(jnp.asarray(logits, dtype=jnp.result_type(logits, jnp.float32)),
@@ -203,7 +203,7 @@ def quadratic_plan(scores: Array, *, gamma: float = 1.0, num_iters: int = 50) ->
     Returns:
       The plan ``[..., T, E]``; columns meet T/E exactly, rows approach 1.
     """
-    shape = _check_plan_inputs(scores, "scores")
+    _check_plan_inputs(scores, "scores")
     _check_positive("gamma", gamma)
     _check_positive("num_iters", num_iters, integer=True)
     return _quadratic_plan(jnp.asarray(scores, jnp.result_type(scores, jnp.float32)),

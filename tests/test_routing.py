@@ -1,7 +1,6 @@
 """Allocation (Algorithms 1 and 2, Soft MoE softmaxes): invariants and loop == vectorised."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings

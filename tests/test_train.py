@@ -11,7 +11,6 @@ from sklearn.linear_model import Ridge
 
 from mini_moe import __main__ as cli
 from mini_moe import config as config_lib
-from mini_moe import data as data_lib
 from mini_moe import evaluate, losses, train
 from mini_moe.model import ModelConfig, VisionMoE, patchify
 
