@@ -14,7 +14,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data book test unit nbval check-notebooks sync refresh clean
+.PHONY: venv data book test unit nbval check-notebooks sync clean
 
 venv: $(STAMP)
 
@@ -52,11 +52,6 @@ check-notebooks: venv
 sync: venv
 	$(VENV)/bin/jupytext --sync $(CHAPTERS_MD)
 	$(PY) .ci/notebooks.py strip
-	$(PY) .ci/notebooks.py refresh
-
-# Re-record the reference outputs of every `# NBVAL_CHECK_OUTPUT` cell.
-refresh: venv
-	$(PY) .ci/notebooks.py refresh --all
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis

@@ -2,17 +2,13 @@
 
 Every chapter is written as ``book/NN_topic.md`` (MyST notebook) and committed together
 with its jupytext twin ``book/NN_topic.ipynb``, which Colab opens and nbval runs. The
-``.ipynb`` is committed without outputs, with one exception: a cell marked
-``# NBVAL_CHECK_OUTPUT`` keeps the text it printed (and an execution count), because that
-text is the reference nbval compares a fresh run against.
+``.ipynb`` is committed without outputs. A chapter's checks are ``assert`` statements, so
+nbval (``--nbval-lax``) and ``make book`` fail when a check fails; no stored output is needed.
 
-    python .ci/notebooks.py check     # fail on drift, stray outputs, missing toc/config entries
-    python .ci/notebooks.py strip     # drop every output except the reference ones
-    python .ci/notebooks.py refresh [--all]
-                                      # run chapters whose reference outputs are missing
-                                      # (or all of them) and store those outputs
+    python .ci/notebooks.py check     # fail on drift, outputs, missing toc/config entries
+    python .ci/notebooks.py strip     # drop every output and execution count
 
-``make sync`` runs ``jupytext --sync``, ``strip`` and ``refresh``; ``make test`` runs ``check``.
+``make sync`` runs ``jupytext --sync`` and ``strip``; ``make test`` runs ``check``.
 """
 
 from __future__ import annotations
@@ -28,7 +24,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK = ROOT / "book"
-MARK = "# NBVAL_CHECK_OUTPUT"
 
 
 def chapters() -> list[Path]:
@@ -36,33 +31,14 @@ def chapters() -> list[Path]:
     return sorted(p for p in BOOK.glob("[0-9][0-9]_*.md"))
 
 
-def is_reference_cell(cell) -> bool:
-    return cell.cell_type == "code" and MARK in cell.source
-
-
-def merged_streams(outputs):
-    """Stream outputs only, consecutive ones of the same stream joined into one."""
-    merged = []
-    for out in outputs:
-        if out.get("output_type") != "stream":
-            continue
-        if merged and merged[-1]["name"] == out["name"]:
-            merged[-1]["text"] += out["text"]
-        else:
-            merged.append(nbformat.v4.new_output("stream", name=out["name"], text=out["text"]))
-    return merged
-
-
 def strip(nb) -> bool:
-    """Remove outputs (except reference streams), execution counts and timing metadata."""
+    """Remove outputs, execution counts and timing metadata; True if anything changed."""
     before = nbformat.writes(nb)
-    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
-    for number, cell in enumerate(code_cells, start=1):
-        cell.metadata.pop("execution", None)
-        cell.outputs = merged_streams(cell.outputs) if is_reference_cell(cell) else []
-        # nbval only compares cells that look executed, so a reference output keeps the
-        # count a top-to-bottom run gives its cell; every other count is cleared.
-        cell.execution_count = number if cell.outputs else None
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.metadata.pop("execution", None)
+            cell.outputs = []
+            cell.execution_count = None
     return nbformat.writes(nb) != before
 
 
@@ -95,35 +71,12 @@ def check() -> list[str]:
             problems.append(f"{rel_nb} and {rel_md} have drifted apart: run `make sync`")
         if strip(copy.deepcopy(nb)):
             problems.append(f"{rel_nb} has outputs or execution counts: run `make sync`")
-        for i, cell in enumerate(nb.cells):
-            if is_reference_cell(cell) and not cell.outputs:
-                problems.append(f"{rel_nb} cell {i} ({MARK}) has no reference output: run `make sync`")
     return problems
-
-
-def refresh(everything: bool) -> None:
-    import nbclient
-
-    for md in chapters():
-        ipynb = md.with_suffix(".ipynb")
-        nb = nbformat.read(ipynb, as_version=4)
-        missing = any(is_reference_cell(c) and not c.outputs for c in nb.cells)
-        if not (everything or missing):
-            continue
-        print(f"executing {ipynb.relative_to(ROOT)} to record its reference outputs", flush=True)
-        run = copy.deepcopy(nb)
-        nbclient.NotebookClient(run, timeout=600, resources={"metadata": {"path": str(BOOK)}}).execute()
-        for cell, ran in zip(nb.cells, run.cells):
-            if is_reference_cell(cell):
-                cell.outputs = merged_streams(ran.outputs)
-        strip(nb)
-        nbformat.write(nb, ipynb)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["check", "strip", "refresh"])
-    parser.add_argument("--all", action="store_true", help="refresh: run every chapter")
+    parser.add_argument("command", choices=["check", "strip"])
     args = parser.parse_args(argv)
     if args.command == "check":
         problems = check()
@@ -132,16 +85,13 @@ def main(argv=None) -> int:
         if not problems:
             print(f"notebooks: {len(chapters())} chapter pair(s) in sync, no stray outputs")
         return 1 if problems else 0
-    if args.command == "strip":
-        for md in chapters():
-            ipynb = md.with_suffix(".ipynb")
-            if ipynb.exists():
-                nb = nbformat.read(ipynb, as_version=4)
-                if strip(nb):
-                    nbformat.write(nb, ipynb)
-                    print(f"stripped {ipynb.relative_to(ROOT)}")
-        return 0
-    refresh(args.all)
+    for md in chapters():  # strip
+        ipynb = md.with_suffix(".ipynb")
+        if ipynb.exists():
+            nb = nbformat.read(ipynb, as_version=4)
+            if strip(nb):
+                nbformat.write(nb, ipynb)
+                print(f"stripped {ipynb.relative_to(ROOT)}")
     return 0
 
 
