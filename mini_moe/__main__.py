@@ -37,7 +37,9 @@ def _add_train(sub):
                    help="scale preset (default: quick on CPU, full on GPU/TPU; env MINI_MOE_SCALE)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=None, help="training steps (overrides the preset)")
-    p.add_argument("--minutes", type=float, default=None, help="stop after this many minutes of training")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="training-time budget: without --steps, the schedule is sized to fit it (measured "
+                   "on this machine); training stops when it is spent")
     p.add_argument("--out", default=None, help="output folder (default: runs/DATASET-ROUTER-sSEED)")
     p.add_argument("--data-dir", default=None, help="folder with the dataset files (e.g. Fashion-MNIST IDX)")
     p.add_argument("--set", dest="overrides", type=_parse_override, action="append", default=[],
@@ -64,9 +66,29 @@ def _train(args):
     except (ValueError, TypeError) as e:
         raise SystemExit(f"error: {e}")
     out = pathlib.Path(args.out or f"runs/{args.dataset}-{args.router}-s{args.seed}")
+    if args.minutes is not None and args.steps is None:
+        cfg = _budget_steps(cfg, out, resume=not args.no_resume)
     history = train_lib.train(cfg, out, resume=not args.no_resume)
     final = history["eval"][-1] if history["eval"] else {}
     print(json.dumps({"out": str(out), **final, "train_seconds": round(history["seconds"], 1)}))
+
+
+def _budget_steps(cfg, out: pathlib.Path, resume: bool):
+    """``cfg`` with ``steps`` (and warmup) sized to ``cfg.max_seconds``; a resumed run keeps
+    the steps it was started with."""
+    import dataclasses
+
+    from mini_moe import train as train_lib
+
+    saved = out / "config.json"
+    if resume and saved.exists():
+        steps = json.loads(saved.read_text())["steps"]
+    else:
+        steps = train_lib.steps_for_budget(cfg, cfg.max_seconds)
+        print(f"{cfg.max_seconds / 60:g} minutes on this machine = {steps} steps; the schedule is sized to them")
+    warmup = min(cfg.warmup_steps, max(0, steps // 10))
+    return dataclasses.replace(cfg, steps=steps, warmup_steps=warmup, eval_every=min(cfg.eval_every, steps),
+                               checkpoint_every=min(cfg.checkpoint_every, steps))
 
 
 def _add_evaluate(sub):
@@ -104,7 +126,7 @@ def _evaluate(args):
 
 def _add_bench(sub):
     p = sub.add_parser("bench", help="time routers, MoE layer vs dense MLP, Soft MoE vs E, training throughput")
-    p.add_argument("--out", default="benchmarks/results.json", help="JSON file to write")
+    p.add_argument("--out", default="bench.json", help="JSON file to write")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per measurement")
     p.add_argument("--only", default=None, choices=["routers", "layer", "soft_moe_experts", "training"],
                    help="run one part only")

@@ -17,6 +17,8 @@ Times are medians over ``repeats`` calls after a warm-up (compilation excluded).
 from __future__ import annotations
 
 import datetime
+import importlib.resources
+import json
 import os
 import platform
 import statistics
@@ -36,6 +38,17 @@ LAYER_SHAPES = {
     "quick": (8, 49, 16, 64, 128, 8),
     "b32": (8, 49, 1, 768, 3072, 32),
 }
+
+
+def committed(name: str) -> dict:
+    """A results file committed with the package (``mini_moe/results/NAME``), e.g.
+    ``committed("cpu-2core-epyc.json")``: works from a clone and from a pip install."""
+    path = importlib.resources.files("mini_moe") / "results" / name
+    if not path.is_file():
+        available = sorted(p.name for p in (importlib.resources.files("mini_moe") / "results").iterdir()
+                           if p.name.endswith(".json"))
+        raise ValueError(f"No committed results file {name!r}; available: {', '.join(available)}.")
+    return json.loads(path.read_text())
 
 
 def machine() -> dict:
@@ -86,14 +99,36 @@ class _MoeLayer(nnx.Module):
         return layer_lib.moe(x, out.routing, self.experts) + out.aux_loss
 
 
+def moe_layer_ms(name: str, shape: str = "quick", *, repeats: int = 20, **router_kwargs) -> float:
+    """Forward + backward time (ms, median) of one MoE layer with router ``name`` at the
+    ``LAYER_SHAPES[shape]`` sizes: router + experts + eq. (2), ``groups`` routing groups of
+    ``images x tokens`` tokens (Soft MoE: one group per image, S = round(tokens / E) slots)."""
+    if shape not in LAYER_SHAPES:
+        raise ValueError(f"shape must be one of {sorted(LAYER_SHAPES)}, got {shape!r}.")
+    per_group, tokens, groups, dim, hidden, experts = LAYER_SHAPES[shape]
+    rng = nnx.Rngs(0)
+    if name == "soft_moe":
+        router_kwargs.setdefault("slots_per_expert", max(1, round(tokens / experts)))
+    router = routers_lib.make_router(name, dim, experts, rngs=rng, **router_kwargs)
+    module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
+    x = jax.random.normal(jax.random.PRNGKey(0), (groups, per_group * tokens, dim))
+    if name == "soft_moe":
+        x = x.reshape(groups * per_group, tokens, dim)
+    return time_fn(_fwd_bwd(lambda m, x: m(x)), module, x, repeats=repeats)
+
+
+def dense_mlp_ms(shape: str = "quick", *, repeats: int = 20) -> float:
+    """Forward + backward time (ms) of the dense MLP with the MoE layer's activated FLOPs."""
+    per_group, tokens, groups, dim, hidden, _ = LAYER_SHAPES[shape]
+    x = jax.random.normal(jax.random.PRNGKey(0), (groups, per_group * tokens, dim))
+    return time_fn(_fwd_bwd(lambda m, x: m(x)), DenseMlp(dim, hidden, rngs=nnx.Rngs(0)), x, repeats=repeats)
+
+
 def layer_benchmarks(repeats: int) -> list[dict]:
     results = []
     for shape_name, (per_group, tokens, groups, dim, hidden, experts) in LAYER_SHAPES.items():
         rng = nnx.Rngs(0)
-        x_sparse = jax.random.normal(jax.random.PRNGKey(0), (groups, per_group * tokens, dim))
-        x_images = x_sparse.reshape(groups * per_group, tokens, dim)
-        dense = DenseMlp(dim, hidden, rngs=rng)
-        dense_ms = time_fn(_fwd_bwd(lambda m, x: m(x)), dense, x_sparse, repeats=repeats)
+        dense_ms = dense_mlp_ms(shape_name, repeats=repeats)
         results.append({"shape": shape_name, "router": "dense_mlp", "ms": round(dense_ms, 3), "ratio": 1.0})
         # The experts alone on their E * C slots: the part no router can avoid. On a CPU the
         # E-fold larger expert weights (memory traffic) can make this alone exceed the dense MLP.
@@ -105,11 +140,7 @@ def layer_benchmarks(repeats: int) -> list[dict]:
                         "ratio": round(experts_ms / dense_ms, 3)})
         print(f"  layer {shape_name:5s} {'experts_only':36s} {experts_ms:9.2f} ms  x{experts_ms / dense_ms:.2f}", flush=True)
         for name in sorted(routers_lib.ROUTERS):
-            kwargs = {"slots_per_expert": max(1, round(tokens / experts))} if name == "soft_moe" else {}
-            router = routers_lib.make_router(name, dim, experts, rngs=rng, **kwargs)
-            module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
-            x = x_images if name == "soft_moe" else x_sparse
-            ms = time_fn(_fwd_bwd(lambda m, x: m(x)), module, x, repeats=repeats)
+            ms = moe_layer_ms(name, shape_name, repeats=repeats)
             results.append({"shape": shape_name, "router": name, "ms": round(ms, 3), "ratio": round(ms / dense_ms, 3),
                             "ratio_to_experts_only": round(ms / experts_ms, 3)})
             print(f"  layer {shape_name:5s} {name:36s} {ms:9.2f} ms  x{ms / dense_ms:.2f}", flush=True)

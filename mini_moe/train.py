@@ -195,6 +195,28 @@ def _step(model, optimizer, batch, cfg: TrainConfig):
     return train_step(model, optimizer, *batch, aux_weight=cfg.aux_loss_weight)
 
 
+def steps_for_budget(cfg: TrainConfig, seconds: float, *, datasets=None, probe_steps: int = 15) -> int:
+    """How many steps of ``cfg`` fit in ``seconds`` of training on this machine.
+
+    Times ``probe_steps`` training steps (after two warm-up steps that compile) on a
+    throw-away model and divides. ``python -m mini_moe train --minutes M`` uses it to size
+    the warmup + cosine schedule to the time budget, so the learning rate has decayed when
+    the time is up instead of being cut off at its peak.
+    """
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds!r}.")
+    train_ds = (datasets if datasets is not None else load_data(cfg))[0]
+    model = make_model(cfg)
+    optimizer = make_optimizer(model, cfg)
+    model.train()
+    for step in range(2 + probe_steps):
+        if step == 2:
+            tick = time.perf_counter()
+        float(_step(model, optimizer, batch_at(train_ds, cfg, step), cfg)["loss"])
+    per_step = (time.perf_counter() - tick) / probe_steps
+    return max(1, int(seconds / per_step))
+
+
 def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = True, datasets=None) -> dict:
     """Train ``cfg`` into ``out_dir``; returns the history (also written as JSON).
 
