@@ -289,3 +289,31 @@ def test_cli_train_and_evaluate(tmp_path, capsys):
     assert (out / "expert_maps.png").exists()
     with pytest.raises(SystemExit, match="Unknown config field"):
         cli.main(["train", "--dataset", "digits", "--set", "nonsense=1", "--out", str(tmp_path / "x")])
+
+
+def test_minutes_budget_sizes_the_schedule_and_resume_keeps_it(tmp_path, digits, monkeypatch):
+    cfg = _cfg(steps=1000, max_seconds=3.0)
+    steps = train.steps_for_budget(cfg, 3.0, datasets=digits, probe_steps=3)
+    assert isinstance(steps, int) and steps >= 1
+    with pytest.raises(ValueError, match="seconds must be > 0"):
+        train.steps_for_budget(cfg, 0.0, datasets=digits)
+    # A fresh run measures; a resumed run reuses the steps its config.json recorded.
+    monkeypatch.setattr(train, "steps_for_budget", lambda cfg, seconds: 40)
+    fresh = cli._budget_steps(cfg, tmp_path, resume=True)
+    assert fresh.steps == 40 and fresh.warmup_steps == 4 and fresh.eval_every <= 40
+    (tmp_path / "config.json").write_text(json.dumps(train.config_to_json(fresh)))
+    monkeypatch.setattr(train, "steps_for_budget", lambda cfg, seconds: 99)
+    assert cli._budget_steps(cfg, tmp_path, resume=True).steps == 40
+    assert cli._budget_steps(cfg, tmp_path, resume=False).steps == 99
+
+
+def test_committed_results_are_packaged():
+    from mini_moe import bench
+
+    results = bench.committed("cpu-2core-epyc.json")
+    assert {"machine", "command", "layer", "soft_moe_experts", "training"} <= set(results)
+    assert results["soft_moe_experts"][0]["ratio_to_E8"] == 1.0
+    with pytest.raises(ValueError, match="available: .*cpu-2core-epyc.json"):
+        bench.committed("nope.json")
+    with pytest.raises(ValueError, match="shape must be one of"):
+        bench.moe_layer_ms("soft_moe", "huge")
