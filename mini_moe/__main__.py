@@ -1,4 +1,4 @@
-"""Command line: ``python -m mini_moe {train,evaluate,bench} ...`` (``--help`` on each)."""
+"""Command line: ``python -m mini_moe {train,evaluate,bench,study} ...`` (``--help`` on each)."""
 
 from __future__ import annotations
 
@@ -67,28 +67,11 @@ def _train(args):
         raise SystemExit(f"error: {e}")
     out = pathlib.Path(args.out or f"runs/{args.dataset}-{args.router}-s{args.seed}")
     if args.minutes is not None and args.steps is None:
-        cfg = _budget_steps(cfg, out, resume=not args.no_resume)
+        cfg = train_lib.budget_config(cfg, 60.0 * args.minutes, out_dir=None if args.no_resume else out)
+        print(f"{args.minutes:g} minutes of training on this machine: a schedule of {cfg.steps} steps")
     history = train_lib.train(cfg, out, resume=not args.no_resume)
     final = history["eval"][-1] if history["eval"] else {}
     print(json.dumps({"out": str(out), **final, "train_seconds": round(history["seconds"], 1)}))
-
-
-def _budget_steps(cfg, out: pathlib.Path, resume: bool):
-    """``cfg`` with ``steps`` (and warmup) sized to ``cfg.max_seconds``; a resumed run keeps
-    the steps it was started with."""
-    import dataclasses
-
-    from mini_moe import train as train_lib
-
-    saved = out / "config.json"
-    if resume and saved.exists():
-        steps = json.loads(saved.read_text())["steps"]
-    else:
-        steps = train_lib.steps_for_budget(cfg, cfg.max_seconds)
-        print(f"{cfg.max_seconds / 60:g} minutes on this machine = {steps} steps; the schedule is sized to them")
-    warmup = min(cfg.warmup_steps, max(0, steps // 10))
-    return dataclasses.replace(cfg, steps=steps, warmup_steps=warmup, eval_every=min(cfg.eval_every, steps),
-                               checkpoint_every=min(cfg.checkpoint_every, steps))
 
 
 def _add_evaluate(sub):
@@ -144,6 +127,54 @@ def _bench(args):
     print(f"wrote {path}")
 
 
+def _add_study(sub):
+    p = sub.add_parser(
+        "study", help="train every router at capacity 1 and 2 (and the dense ViT) for several seeds; "
+        "results.json + figures", description="The router study of paper 000 at small scale. Routers: "
+        + ", ".join(sorted(ROUTERS)) + ". Datasets: " + ", ".join(data_lib.DATASETS)
+        + ". Resumable: run the same command again to continue.",
+    )
+    p.add_argument("--dataset", default="fashion_mnist", choices=data_lib.DATASETS)
+    p.add_argument("--config", default=None, choices=["quick", "full"], help="scale preset (default: by backend)")
+    p.add_argument("--routers", nargs="+", default=None, choices=sorted(ROUTERS), metavar="ROUTER",
+                   help="routers to train (default: all)")
+    p.add_argument("--capacities", nargs="+", type=int, default=[1, 2], help="k for token choice, c otherwise")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--no-dense", action="store_true", help="skip the dense ViT baseline")
+    p.add_argument("--steps", type=int, default=None, help="training steps per cell (overrides the preset)")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="training-time budget per cell; the schedule is sized to it (instead of --steps)")
+    p.add_argument("--out", default=None, help="study folder (default: runs/study-DATASET)")
+    p.add_argument("--set", dest="overrides", type=_parse_override, action="append", default=[],
+                   metavar="KEY=VALUE", help="config override for every cell (repeatable)")
+    p.set_defaults(func=_study)
+
+
+def _study(args):
+    from mini_moe import study
+
+    overrides = dict(args.overrides)
+    if args.steps is not None:
+        overrides["steps"] = args.steps
+    if args.steps is not None and args.minutes is not None:
+        raise SystemExit("error: give --steps or --minutes, not both.")
+    out = pathlib.Path(args.out or f"runs/study-{args.dataset}")
+    command = "python -m mini_moe " + " ".join(args.argv)
+    try:
+        results = study.run_study(out, dataset=args.dataset, routers=args.routers, capacities=args.capacities,
+                                  seeds=args.seeds, dense=not args.no_dense, scale=args.config,
+                                  minutes=args.minutes, command=command, **overrides)
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"error: {e}")
+    for cost in ("train_seconds", "train_flops"):
+        study.plot_study(results, cost=cost).savefig(out / f"accuracy_vs_{cost}.png", dpi=120, bbox_inches="tight")
+    for row in results["summary"]:
+        print(f"{row['router']:36s} c={row['capacity']}  test {100 * row['test_accuracy']:.2f} "
+              f"+- {100 * row['test_accuracy_std']:.2f}  10-shot {100 * row['ten_shot_accuracy']:.2f}  "
+              f"{row['train_seconds']:.0f} s")
+    print(f"wrote {out / 'results.json'}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mini_moe",
@@ -154,7 +185,10 @@ def main(argv=None) -> int:
     _add_train(sub)
     _add_evaluate(sub)
     _add_bench(sub)
+    _add_study(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     args.func(args)
     return 0
 

@@ -217,6 +217,21 @@ def steps_for_budget(cfg: TrainConfig, seconds: float, *, datasets=None, probe_s
     return max(1, int(seconds / per_step))
 
 
+def budget_config(cfg: TrainConfig, seconds: float, *, out_dir=None, datasets=None) -> TrainConfig:
+    """``cfg`` with its schedule sized to ``seconds`` of training (:func:`steps_for_budget`)
+    and ``max_seconds=seconds``. If ``out_dir`` holds a started run, its recorded steps are
+    kept, so resuming does not re-measure and change the schedule."""
+    saved = None if out_dir is None else pathlib.Path(out_dir) / "config.json"
+    if saved is not None and saved.exists():
+        steps = json.loads(saved.read_text())["steps"]
+    else:
+        steps = steps_for_budget(cfg, seconds, datasets=datasets)
+    return dataclasses.replace(
+        cfg, steps=steps, max_seconds=float(seconds), warmup_steps=min(cfg.warmup_steps, steps // 10),
+        eval_every=min(cfg.eval_every, steps), checkpoint_every=min(cfg.checkpoint_every, steps),
+    )
+
+
 def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = True, datasets=None) -> dict:
     """Train ``cfg`` into ``out_dir``; returns the history (also written as JSON).
 

@@ -298,13 +298,13 @@ def test_minutes_budget_sizes_the_schedule_and_resume_keeps_it(tmp_path, digits,
     with pytest.raises(ValueError, match="seconds must be > 0"):
         train.steps_for_budget(cfg, 0.0, datasets=digits)
     # A fresh run measures; a resumed run reuses the steps its config.json recorded.
-    monkeypatch.setattr(train, "steps_for_budget", lambda cfg, seconds: 40)
-    fresh = cli._budget_steps(cfg, tmp_path, resume=True)
-    assert fresh.steps == 40 and fresh.warmup_steps == 4 and fresh.eval_every <= 40
+    monkeypatch.setattr(train, "steps_for_budget", lambda cfg, seconds, datasets=None: 40)
+    fresh = train.budget_config(cfg, 3.0, out_dir=tmp_path)
+    assert fresh.steps == 40 and fresh.warmup_steps == 4 and fresh.eval_every <= 40 and fresh.max_seconds == 3.0
     (tmp_path / "config.json").write_text(json.dumps(train.config_to_json(fresh)))
-    monkeypatch.setattr(train, "steps_for_budget", lambda cfg, seconds: 99)
-    assert cli._budget_steps(cfg, tmp_path, resume=True).steps == 40
-    assert cli._budget_steps(cfg, tmp_path, resume=False).steps == 99
+    monkeypatch.setattr(train, "steps_for_budget", lambda cfg, seconds, datasets=None: 99)
+    assert train.budget_config(cfg, 3.0, out_dir=tmp_path).steps == 40
+    assert train.budget_config(cfg, 3.0).steps == 99
 
 
 def test_committed_results_are_packaged():
@@ -317,3 +317,47 @@ def test_committed_results_are_packaged():
         bench.committed("nope.json")
     with pytest.raises(ValueError, match="shape must be one of"):
         bench.moe_layer_ms("soft_moe", "huge")
+
+
+def test_study_runs_every_cell_resumes_and_summarizes(tmp_path, capsys):
+    from mini_moe import study
+
+    cfg = study.cell_config("soft_moe", 2, 0, dataset="digits", scale="quick")
+    assert dict(cfg.model.router_kwargs)["slots_per_expert"] == 2 * round(16 / 8)
+    assert dict(study.cell_config("svmoe", 1, 0, dataset="digits", scale="quick").model.router_kwargs)["k"] == 1
+    with pytest.raises(ValueError, match="Unknown router"):
+        study.cell_config("nope", 1, 0, dataset="digits")
+    with pytest.raises(ValueError, match="capacity must be an integer"):
+        study.cell_config("soft_moe", 0, 0, dataset="digits")
+    tiny = {k: v for k, v in TINY.items() if k != "model_group_images"}
+    args = ["study", "--dataset", "digits", "--routers", "soft_moe", "--capacities", "1", "2",
+            "--seeds", "0", "--out", str(tmp_path)]
+    args += [a for k, v in tiny.items() for a in ("--set", f"{k}={v}")]
+    cli.main(args)
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["cells"]) == 3 and results["command"].startswith("python -m mini_moe study")
+    rows = {(r["router"], r["capacity"]): r for r in results["summary"]}
+    assert set(rows) == {("dense", 1), ("soft_moe", 1), ("soft_moe", 2)}
+    # Capacity 2 processes twice the slots: XLA counts more FLOPs.
+    assert rows[("soft_moe", 2)]["train_flops"] > rows[("soft_moe", 1)]["train_flops"] > 0
+    assert (tmp_path / "accuracy_vs_train_seconds.png").exists()
+    # Resumable: a second run finds every result.json and trains nothing.
+    (tmp_path / "soft_moe-c2-s0" / "result.json").unlink()
+    before = (tmp_path / "dense-s0" / "result.json").stat().st_mtime
+    cli.main(args)
+    assert (tmp_path / "soft_moe-c2-s0" / "result.json").exists()
+    assert (tmp_path / "dense-s0" / "result.json").stat().st_mtime == before
+
+
+def test_study_summary_is_mean_and_std_over_seeds():
+    from mini_moe import study
+
+    cells = [{"router": "soft_moe", "capacity": 1, "test_accuracy": a, "ten_shot_accuracy": a / 2,
+              "train_seconds": 10.0 * a, "train_flops": 1e9} for a in (0.8, 0.9, 1.0)]
+    cells.append({"router": "dense", "capacity": 1, "test_accuracy": 0.5, "ten_shot_accuracy": 0.4,
+                  "train_seconds": 3.0, "train_flops": 2e9})
+    rows = {r["router"]: r for r in study.summarize(cells)}
+    assert rows["soft_moe"]["seeds"] == 3
+    assert rows["soft_moe"]["test_accuracy"] == pytest.approx(0.9)
+    assert rows["soft_moe"]["test_accuracy_std"] == pytest.approx(np.std([0.8, 0.9, 1.0], ddof=1))
+    assert rows["dense"]["test_accuracy_std"] == 0.0 and rows["dense"]["train_flops"] == 2e9

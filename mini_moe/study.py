@@ -1,0 +1,204 @@
+"""The router study (paper 000, Section 3) at a scale you can rerun: ``python -m mini_moe study``.
+
+Trains every router at capacity 1 and 2 (``k`` for Token Choice, the capacity factor ``c``
+for Expert Choice, ``c * round(T/E)`` slots per expert for Soft MoE) and the dense ViT,
+for several seeds, then evaluates test accuracy, 10-shot accuracy and training cost (seconds
+of training and XLA's FLOP count of one step). Each cell trains into its own folder under
+``out_dir`` and leaves a ``result.json``; a study that is cut short and started again skips
+finished cells and resumes an interrupted one from its checkpoint. ``results.json`` (all
+cells plus mean and standard deviation per router and capacity) is rewritten after every
+cell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from mini_moe import config as config_lib
+from mini_moe import evaluate, train
+from mini_moe.routers import ROUTERS
+
+# Which router option the capacity sets (paper 000: k = 1, 2 and c = 1, 2).
+CAPACITY_OPTION = {
+    "softmax_token_choice": "k",
+    "sinkhorn_token_choice": "k",
+    "svmoe": "k",
+    "softmax_expert_choice": "capacity_factor",
+    "sinkhorn_expert_choice": "capacity_factor",
+    "sparsity_constrained_expert_choice": "capacity_factor",
+    "soft_moe": "slots_per_expert",
+}
+assert set(CAPACITY_OPTION) == set(ROUTERS), "every router needs a capacity option"
+
+
+def cell_name(router: str | None, capacity: int, seed: int) -> str:
+    return f"dense-s{seed}" if router is None else f"{router}-c{capacity}-s{seed}"
+
+
+def cell_config(router: str | None, capacity: int, seed: int, *, dataset: str, scale: str | None = None,
+                **overrides) -> config_lib.TrainConfig:
+    """The :class:`TrainConfig` of one study cell (``router=None``: the dense ViT)."""
+    if router is not None and router not in CAPACITY_OPTION:
+        raise ValueError(f"Unknown router {router!r}; expected one of: {', '.join(sorted(CAPACITY_OPTION))}.")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}.")
+    cfg = config_lib.get_config(scale, dataset=dataset, router=router, seed=seed, **overrides)
+    if router is None:
+        return cfg
+    kwargs = dict(cfg.model.router_kwargs)
+    option = CAPACITY_OPTION[router]
+    kwargs[option] = capacity * kwargs["slots_per_expert"] if option == "slots_per_expert" else capacity
+    model = dataclasses.replace(cfg.model, router_kwargs=tuple(sorted(kwargs.items())))
+    return dataclasses.replace(cfg, model=model)
+
+
+def step_flops(cfg: config_lib.TrainConfig) -> float:
+    """FLOPs of one training step's forward + backward pass, as counted by XLA on the
+    compiled program (optimizer excluded). Loops are counted once, so iterative solvers
+    (Sinkhorn, the sparsity-constrained plan) are undercounted: time is the honest cost."""
+    model = train.make_model(cfg)
+    graphdef, state = nnx.split(model)
+    m = cfg.model
+    images = jnp.zeros((cfg.batch_size, m.image_size, m.image_size, m.channels), jnp.float32)
+    labels = jnp.zeros((cfg.batch_size,), jnp.int32)
+
+    def loss(state):
+        out = nnx.merge(graphdef, state)(images)
+        return optax.softmax_cross_entropy_with_integer_labels(out.logits, labels).mean() + out.aux_loss
+
+    analysis = jax.jit(jax.grad(loss)).lower(state).compile().cost_analysis()
+    if isinstance(analysis, (list, tuple)):
+        analysis = analysis[0]
+    return float(analysis.get("flops", float("nan")))
+
+
+def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = None, datasets=None,
+             progress: bool = True) -> dict:
+    """Train (or resume) one cell, evaluate it and write ``result.json``; returns the result.
+
+    With ``minutes``, the schedule is sized to that much training on this machine (measured
+    once; a resumed cell keeps the steps it started with) and training stops when it is spent.
+    """
+    out_dir = pathlib.Path(out_dir)
+    result_path = out_dir / "result.json"
+    if result_path.exists():
+        return json.loads(result_path.read_text())
+    datasets = datasets if datasets is not None else train.load_data(cfg)
+    if minutes is not None:
+        cfg = train.budget_config(cfg, 60.0 * minutes, out_dir=out_dir, datasets=datasets)
+    history = train.train(cfg, out_dir, resume=True, progress=progress, datasets=datasets)
+    model, _ = train.load_trained(out_dir)
+    flops = step_flops(cfg)
+    final = history["eval"][-1]
+    result = {
+        "router": cfg.model.router or "dense",
+        "capacity": _capacity_of(cfg),
+        "seed": cfg.seed,
+        "steps": final["step"],
+        "test_accuracy": final["test_accuracy"],
+        "ten_shot_accuracy": evaluate.few_shot_accuracy(model, *datasets, shots=10),
+        "train_seconds": round(history["seconds"], 2),
+        "step_flops": flops,
+        "train_flops": flops * final["step"],
+    }
+    result_path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _capacity_of(cfg) -> int:
+    if cfg.model.router is None:
+        return 1
+    value = dict(cfg.model.router_kwargs)[CAPACITY_OPTION[cfg.model.router]]
+    if CAPACITY_OPTION[cfg.model.router] == "slots_per_expert":
+        base = max(1, round(cfg.model.num_patches / cfg.model.num_experts))
+        return max(1, round(value / base))
+    return int(value)
+
+
+def summarize(cells: list[dict]) -> list[dict]:
+    """Mean and standard deviation over seeds of every (router, capacity)."""
+    groups: dict[tuple, list[dict]] = {}
+    for cell in cells:
+        groups.setdefault((cell["router"], cell["capacity"]), []).append(cell)
+    rows = []
+    for (router, capacity), members in groups.items():
+        row = {"router": router, "capacity": capacity, "seeds": len(members)}
+        for key in ("test_accuracy", "ten_shot_accuracy", "train_seconds", "train_flops"):
+            values = [m[key] for m in members]
+            row[key] = statistics.fmean(values)
+            row[key + "_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        rows.append(row)
+    return rows
+
+
+def run_study(out_dir, *, dataset: str, routers=None, capacities=(1, 2), seeds=(0, 1, 2), dense: bool = True,
+              scale: str | None = None, minutes: float | None = None, command: str | None = None,
+              progress: bool = True, **overrides) -> dict:
+    """Run (or continue) a study; returns and writes ``out_dir/results.json``.
+
+    Args:
+      out_dir: folder of the study; one sub-folder per cell.
+      dataset: a dataset name (``mini_moe.data.DATASETS``).
+      routers: router names (default: all of ``mini_moe.ROUTERS``).
+      capacities: the capacities to try (paper 000: 1 and 2).
+      seeds: seeds per cell.
+      dense: also train the dense ViT (once per seed).
+      scale: ``"quick"``/``"full"`` or None (the default for this machine).
+      minutes: per-cell training-time budget (else the config's ``steps``).
+      command: the command line, recorded in the results.
+      **overrides: config overrides for every cell (``steps=...``, ``model_dim=...``).
+    """
+    from mini_moe import bench
+
+    out_dir = pathlib.Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    routers = sorted(ROUTERS) if routers is None else list(routers)
+    plan = [(None, 1, s) for s in seeds] if dense else []
+    plan += [(r, c, s) for s in seeds for r in routers for c in capacities]
+    datasets = train.load_data(cell_config(None, 1, 0, dataset=dataset, scale=scale, **overrides))
+    cells = []
+    for i, (router, capacity, seed) in enumerate(plan):
+        name = cell_name(router, capacity, seed)
+        cfg = cell_config(router, capacity, seed, dataset=dataset, scale=scale, **overrides)
+        if progress:
+            print(f"[{i + 1}/{len(plan)}] {name}", file=sys.stderr, flush=True)
+        cells.append(run_cell(cfg, out_dir / name, minutes=minutes, datasets=datasets, progress=progress))
+        results = {"command": command, "machine": bench.machine(), "dataset": dataset,
+                   "minutes_per_cell": minutes, "overrides": {k: repr(v) for k, v in overrides.items()},
+                   "cells": cells, "summary": summarize(cells)}
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def plot_study(results: dict, *, cost: str = "train_seconds"):
+    """Accuracy against training cost (paper 000, Figures 1-2): one marker per router and
+    capacity (filled: capacity 1, open: capacity 2), error bars over seeds."""
+    import matplotlib.pyplot as plt
+
+    markers = {"softmax_token_choice": "o", "sinkhorn_token_choice": "s", "svmoe": "P",
+               "softmax_expert_choice": "v", "sinkhorn_expert_choice": "D",
+               "sparsity_constrained_expert_choice": "^", "soft_moe": "*", "dense": "x"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, title in ((axes[0], "test_accuracy", "test accuracy"),
+                              (axes[1], "ten_shot_accuracy", "10-shot accuracy")):
+        for i, row in enumerate(results["summary"]):
+            color = plt.cm.tab10(sorted(markers).index(row["router"]) % 10)
+            ax.errorbar(row[cost], row[metric], xerr=row[cost + "_std"], yerr=row[metric + "_std"],
+                        marker=markers.get(row["router"], "o"), markersize=9, linestyle="none", color=color,
+                        markerfacecolor=color if row["capacity"] == 1 else "white",
+                        label=f"{row['router']} ({row['capacity']})")
+        ax.set_xlabel({"train_seconds": "training time (s)", "train_flops": "training FLOPs (XLA count)"}[cost])
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.tight_layout()
+    return fig
