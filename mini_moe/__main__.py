@@ -25,6 +25,13 @@ def _parse_override(text: str):
     return key.strip(), value
 
 
+def _parse_mesh(text: str):
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise argparse.ArgumentTypeError(f"--mesh expects DATAxEXPERT such as 2x4, got {text!r}")
+    return (int(parts[0]), int(parts[1]))
+
+
 def _add_train(sub):
     p = sub.add_parser(
         "train", help="train a V-MoE (or the dense ViT) and write config, checkpoints and history",
@@ -46,6 +53,9 @@ def _add_train(sub):
                    metavar="KEY=VALUE", help="override a config field, e.g. --set model_num_experts=16 "
                    "--set 'model_router_kwargs={\"k\": 2}' (repeatable)")
     p.add_argument("--no-resume", action="store_true", help="start afresh even if OUT has checkpoints")
+    p.add_argument("--mesh", default=None, type=_parse_mesh, metavar="DATAxEXPERT",
+                   help="expert parallelism over DATA*EXPERT devices, e.g. 2x4 (on a CPU, simulate devices with "
+                   "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
     p.set_defaults(func=_train)
 
 
@@ -60,6 +70,8 @@ def _train(args):
         overrides["max_seconds"] = 60.0 * args.minutes
     if args.data_dir is not None:
         overrides["data_dir"] = args.data_dir
+    if args.mesh is not None:
+        overrides["mesh"] = args.mesh
     router = None if args.router == "dense" else args.router
     try:
         cfg = config_lib.get_config(args.config, dataset=args.dataset, router=router, seed=args.seed, **overrides)

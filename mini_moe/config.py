@@ -58,6 +58,7 @@ class TrainConfig:
     eval_batch_size: int = 512
     checkpoint_every: int = 500
     max_seconds: float | None = None  # stop (and checkpoint) after this much training time
+    mesh: tuple | None = None  # (data, expert) devices: expert parallelism (mini_moe.parallel)
     seed: int = 0
 
     def __post_init__(self):
@@ -69,6 +70,19 @@ class TrainConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps!r}.")
+        if self.mesh is not None:
+            if len(self.mesh) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.mesh):
+                raise ValueError(f"mesh must be (data, expert) with integers >= 1, got {self.mesh!r}.")
+            devices = self.mesh[0] * self.mesh[1]
+            per_group = 1 if self.model.router == "soft_moe" else self.model.group_images
+            if self.batch_size % (per_group * devices):
+                raise ValueError(
+                    f"batch_size={self.batch_size} must be a multiple of {per_group * devices} "
+                    f"(images per routing group {per_group} x {devices} devices) for mesh={self.mesh}."
+                )
+            if self.model.router is not None and self.model.num_experts % self.mesh[1]:
+                raise ValueError(f"num_experts={self.model.num_experts} must be a multiple of the mesh's "
+                                 f"expert axis {self.mesh[1]}.")
         if self.prc and (self.model.router is None or self.model.router == "soft_moe"):
             raise ValueError(f"prc=True needs a sparse router (paper 004 uses token choice), got {self.model.router!r}.")
 

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from mini_moe import data as data_lib
+from mini_moe import parallel
 
 Array = Any
 
@@ -40,22 +42,25 @@ def _forward(model, images, return_routing=False):
     return model(images, return_routing=return_routing)
 
 
-def _padded_batches(images: np.ndarray, batch_size: int, group: int):
-    """Batches of exactly ``batch_size`` (a multiple of ``group``); the last is padded by
-    repeating images. Yields ``(batch, n_real)``."""
+def _padded_batches(model, images: np.ndarray, batch_size: int):
+    """Batches of exactly ``batch_size`` (rounded to a multiple of the routing group, times
+    the number of devices for a sharded model); the last is padded by repeating images.
+    Yields ``(batch, n_real)``; a sharded model's batches are split over its devices."""
+    mesh = parallel.model_mesh(model)
+    group = model.cfg.group_images * (1 if mesh is None else mesh.size)
     batch_size = max(group, batch_size - batch_size % group)
     for start in range(0, len(images), batch_size):
         chunk = images[start : start + batch_size]
         n = len(chunk)
         if n < batch_size:
             chunk = np.concatenate([chunk, np.resize(chunk, (batch_size - n,) + chunk.shape[1:])])
-        yield jnp.asarray(chunk), n
+        yield (jnp.asarray(chunk) if mesh is None else jax.device_put(chunk, parallel.batch_sharding(mesh))), n
 
 
 def _collect(model, images, field, batch_size):
     out = []
     with _eval_mode(model):
-        for batch, n in _padded_batches(images, batch_size, model.cfg.group_images):
+        for batch, n in _padded_batches(model, images, batch_size):
             out.append(np.asarray(getattr(_forward(model, batch), field)[:n]))
     return np.concatenate(out)
 
@@ -127,7 +132,7 @@ def router_report(model, images: np.ndarray, *, batch_size: int = 256) -> list[d
     """
     sums, probs, batches = None, None, 0
     with _eval_mode(model):
-        for batch, n in _padded_batches(images, batch_size, model.cfg.group_images):
+        for batch, n in _padded_batches(model, images, batch_size):
             out = _forward(model, batch)
             metrics = [{k: np.asarray(v, np.float64) for k, v in m.items()} for m in out.metrics]
             sums = metrics if sums is None else [{k: s[k] + m[k] for k in s} for s, m in zip(sums, metrics)]
@@ -206,7 +211,7 @@ def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: i
     rng = np.random.default_rng(seed)
     counts = None
     with _eval_mode(model):
-        for batch, n in _padded_batches(images, batch_size, cfg.group_images):
+        for batch, n in _padded_batches(model, images, batch_size):
             batch = np.asarray(batch)
             crop = dict(out_size=cfg.image_size, scale=scale, ratio=ratio, flip=flip)
             v1, t1 = data_lib.random_resized_crop(rng, batch, **crop)

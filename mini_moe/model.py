@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mini_moe import parallel
 from mini_moe import routers as routers_lib
 from mini_moe.layer import MlpExperts, moe
 
@@ -130,6 +131,7 @@ class MoeMlp(nnx.Module):
         self.per_image = cfg.router == "soft_moe"
         self.group_images = cfg.group_images
         self.path = cfg.moe_path
+        self.mesh = None  # set by mini_moe.parallel.shard_model: experts sharded across devices
 
     def __call__(self, x: Array) -> tuple[Array, routers_lib.RouterOutput]:
         """``x [B, N, D]`` -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``)."""
@@ -142,7 +144,10 @@ class MoeMlp(nnx.Module):
             )
         groups = x.reshape(b // per_group, per_group * n, d)
         out = self.router(groups)
-        y = moe(groups, out.routing, self.experts, path=self.path)
+        if self.mesh is not None:
+            y = parallel.expert_parallel_moe(groups, out.routing, self.experts, self.mesh)
+        else:
+            y = moe(groups, out.routing, self.experts, path=self.path)
         return y.reshape(b, n, d), out.replace(probs=out.probs.reshape(b, n, -1))
 
 

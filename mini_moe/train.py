@@ -32,7 +32,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from mini_moe import data as data_lib
-from mini_moe import evaluate, losses
+from mini_moe import evaluate, losses, parallel
 from mini_moe.config import TrainConfig
 from mini_moe.model import ModelConfig, VisionMoE
 
@@ -141,7 +141,8 @@ def restore_checkpoint(manager, model, optimizer, step: int | None = None) -> in
 
 
 def load_trained(out_dir) -> tuple[VisionMoE, TrainConfig]:
-    """The model of a finished (or interrupted) run from its folder, newest checkpoint."""
+    """The model of a finished (or interrupted) run from its folder, newest checkpoint
+    (on one device, also for a run trained with a mesh)."""
     out_dir = pathlib.Path(out_dir)
     cfg = config_from_json(json.loads((out_dir / "config.json").read_text()))
     model = make_model(cfg)
@@ -160,7 +161,8 @@ def config_to_json(cfg: TrainConfig) -> dict:
 def config_from_json(obj: dict) -> TrainConfig:
     model = dict(obj["model"])
     model["router_kwargs"] = tuple(tuple(kv) for kv in model.get("router_kwargs", ()))
-    return TrainConfig(**{**obj, "model": ModelConfig(**model)})
+    mesh = None if obj.get("mesh") is None else tuple(obj["mesh"])
+    return TrainConfig(**{**obj, "model": ModelConfig(**model), "mesh": mesh})
 
 
 # ---------------------------------------------------------------------- train
@@ -188,8 +190,11 @@ def batch_at(dataset, cfg: TrainConfig, step: int):
     return images, labels
 
 
-def _step(model, optimizer, batch, cfg: TrainConfig):
-    batch = tuple(jnp.asarray(a) for a in batch)
+def _step(model, optimizer, batch, cfg: TrainConfig, mesh=None):
+    if mesh is None:
+        batch = tuple(jnp.asarray(a) for a in batch)
+    else:  # split every array's batch axis over the devices
+        batch = tuple(jax.device_put(a, parallel.batch_sharding(mesh)) for a in batch)
     if cfg.prc:
         return prc_train_step(model, optimizer, *batch, lambdas=(cfg.prc_lambda_diag, cfg.prc_lambda_offdiag))
     return train_step(model, optimizer, *batch, aux_weight=cfg.aux_loss_weight)
@@ -256,6 +261,10 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
 
     model = make_model(cfg)
     optimizer = make_optimizer(model, cfg)
+    mesh = None
+    if cfg.mesh is not None:  # experts sharded over the devices, the batch split over all of them
+        mesh = parallel.make_mesh(*cfg.mesh)
+        parallel.shard_model(model, mesh, optimizer)
     manager = _manager(out_dir)
     history_path = out_dir / "history.json"
     history = {"train": [], "eval": [], "seconds": 0.0}
@@ -274,7 +283,7 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"{cfg.model.router or 'dense'}")
     for step in range(start, cfg.steps):
         tick = time.perf_counter()
-        stats = _step(model, optimizer, batch_at(train_ds, cfg, step), cfg)
+        stats = _step(model, optimizer, batch_at(train_ds, cfg, step), cfg, mesh)
         loss = float(stats["loss"])  # waits for the step: the time below is the step's
         history["seconds"] += time.perf_counter() - tick  # training time (no eval, no I/O)
         if not math.isfinite(loss) or not math.isfinite(float(stats["aux_loss"])):

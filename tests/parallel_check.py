@@ -1,0 +1,92 @@
+"""Expert-parallelism checks on 8 simulated CPU devices (run by tests/test_parallel.py in
+a fresh process, because the device count is fixed when JAX starts)."""
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from mini_moe import config, parallel, train  # noqa: E402
+
+# Token Choice (k = 2, with drops), Expert Choice and Soft MoE: the three kinds of dispatch tensor.
+ROUTERS = {"softmax_token_choice": {"k": 2}, "softmax_expert_choice": {}, "soft_moe": {"slots_per_expert": 2}}
+
+
+def tiny(router, **kw):
+    fields = dict(batch_size=32, model_dim=16, model_heads=2, model_mlp_dim=32, model_depth=2, model_num_experts=8,
+                  model_group_images=2, model_router_kwargs=ROUTERS[router])
+    return config.get_config("quick", dataset="digits", router=router, **{**fields, **kw})
+
+
+def loss_fn(model, images):
+    out = model(images)
+    return jnp.mean(out.logits ** 2) + out.aux_loss, out.logits
+
+
+def check_equal_to_single_device():
+    assert len(jax.devices()) == 8, jax.devices()
+    mesh = parallel.make_mesh(2, 4)
+    images = jax.random.normal(jax.random.key(0), (32, 8, 8, 1))
+    for router in ROUTERS:
+        single, sharded = train.make_model(tiny(router)), train.make_model(tiny(router))
+        single.eval()
+        sharded.eval()
+        parallel.shard_model(sharded, mesh)
+        w1 = sharded.blocks[1].mlp.experts.w1[...]
+        assert w1.sharding.spec == jax.sharding.PartitionSpec("expert"), w1.sharding
+        assert len({s.device for s in w1.addressable_shards}) == 8 and w1.addressable_shards[0].data.shape[0] == 2
+        step = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))
+        (loss_a, logits_a), grads_a = step(single, images)
+        (loss_b, logits_b), grads_b = step(sharded, jax.device_put(images, parallel.batch_sharding(mesh)))
+        np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), atol=1e-5, rtol=1e-5)
+        for ga, gb in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+            np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), atol=1e-5, rtol=1e-4)
+        graphdef, state = nnx.split(sharded)
+        jaxpr = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x).logits)(state, images))
+        assert jaxpr.count("all_to_all") == 2 * len(sharded.cfg.moe_blocks()), router
+        print(f"{router}: outputs and gradients equal on a 2x4 mesh")
+
+
+def check_training_runs_sharded(tmp):
+    cfg = tiny("soft_moe", steps=4, eval_every=4, checkpoint_every=2, mesh=(2, 4))
+    history = train.train(cfg, tmp, resume=False, progress=False)
+    assert len(history["eval"]) == 1 and np.isfinite(history["eval"][0]["test_accuracy"])
+    model, loaded = train.load_trained(tmp)  # a mesh run loads on one device
+    assert loaded.mesh == (2, 4) and parallel.model_mesh(model) is None
+    # Same steps on one device give the same parameters (up to float reassociation).
+    single = train.train(tiny("soft_moe", steps=4, eval_every=4, checkpoint_every=2), tmp + "-single",
+                         resume=False, progress=False)
+    assert single["eval"][0]["step"] == 4
+    reference, _ = train.load_trained(tmp + "-single")
+    for a, b in zip(jax.tree.leaves(nnx.state(model, nnx.Param)), jax.tree.leaves(nnx.state(reference, nnx.Param))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    print("sharded training matches single-device training")
+
+
+def check_errors():
+    mesh = parallel.make_mesh(2, 4)
+    for call, match in [
+        (lambda: parallel.make_mesh(4, 4), "needs 16 devices"),
+        (lambda: tiny("soft_moe", batch_size=12, mesh=(2, 4)), "batch_size=12 must be a multiple of 8"),
+        (lambda: tiny("softmax_expert_choice", batch_size=24, mesh=(1, 3)), "multiple of the mesh's expert axis"),
+        (lambda: parallel.expert_parallel_moe(jnp.ones((6, 4, 16)), None, None, mesh), "multiple of the number"),
+    ]:
+        try:
+            call()
+        except ValueError as e:
+            assert match in str(e), (match, str(e))
+        else:
+            raise AssertionError(f"no ValueError for {match!r}")
+    print("errors: ok")
+
+
+if __name__ == "__main__":
+    check_equal_to_single_device()
+    check_training_runs_sharded(sys.argv[1])
+    check_errors()
+    print("ALL OK")
