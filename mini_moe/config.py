@@ -17,10 +17,13 @@ from mini_moe.model import ModelConfig
 
 SCALES = ("quick", "full")
 
-# Per dataset: image geometry and the patch size used at each scale.
+# Per dataset: image geometry, the patch size used at each scale, and model-size changes.
+# Fashion-MNIST's quick model uses 7x7 patches (16 tokens) at width 128: on a 2-core CPU it
+# learns more per minute than 4x4 patches at width 64, whose 49-token attention dominates.
 _DATASET_SHAPES = {
     "digits": dict(image_size=8, channels=1, num_classes=10, patch={"quick": 2, "full": 2}),
-    "fashion_mnist": dict(image_size=28, channels=1, num_classes=10, patch={"quick": 4, "full": 4}),
+    "fashion_mnist": dict(image_size=28, channels=1, num_classes=10, patch={"quick": 7, "full": 4},
+                          model={"quick": dict(dim=128, mlp_dim=256)}),
     "cifar10": dict(image_size=32, channels=3, num_classes=10, patch={"quick": 4, "full": 4}),
     "cifar100": dict(image_size=32, channels=3, num_classes=100, patch={"quick": 4, "full": 4}),
 }
@@ -116,7 +119,7 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
         image_size=shape["image_size"], channels=shape["channels"], num_classes=shape["num_classes"],
         patch_size=shape["patch"][scale], router=router,
         placement="last2" if router == "soft_moe" else "every2",
-        **_MODEL_SCALE[scale],
+        **{**_MODEL_SCALE[scale], **shape.get("model", {}).get(scale, {})},
     )
     train_fields = dict(_TRAIN_SCALE[scale], dataset=dataset)
     valid_train = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
