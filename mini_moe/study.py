@@ -202,3 +202,21 @@ def plot_study(results: dict, *, cost: str = "train_seconds"):
     axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     return fig
+
+
+def plot_curves(out_dir, results: dict):
+    """Test accuracy against training time of every cell (from each cell's history.json)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for cell in results["cells"]:
+        name = cell_name(None if cell["router"] == "dense" else cell["router"], cell["capacity"], cell["seed"])
+        history = json.loads((pathlib.Path(out_dir) / name / "history.json").read_text())
+        ax.plot([e["seconds"] for e in history["eval"]], [100 * e["test_accuracy"] for e in history["eval"]],
+                "o-", markersize=3, label=name, linestyle="--" if cell["router"] == "dense" else "-")
+    ax.set_xlabel("training time (s)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
