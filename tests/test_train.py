@@ -85,7 +85,10 @@ def test_model_rejects_wrong_images_and_ragged_groups():
 def test_config_overrides_and_errors():
     cfg = config_lib.get_config("quick", dataset="fashion_mnist", router="soft_moe", model_num_experts=7, steps=10)
     assert cfg.model.num_experts == 7 and cfg.steps == 10 and cfg.warmup_steps == 1
-    assert dict(cfg.model.router_kwargs)["slots_per_expert"] == round(49 / 7)  # S = round(T / E)
+    assert cfg.model.patch_size == 7 and cfg.model.dim == 128  # the quick Fashion-MNIST model
+    assert dict(cfg.model.router_kwargs)["slots_per_expert"] == round(16 / 7)  # S = round(T / E)
+    full = config_lib.get_config("full", dataset="fashion_mnist", router="soft_moe")
+    assert full.model.patch_size == 4 and dict(full.model.router_kwargs)["slots_per_expert"] == round(49 / 16)
     with pytest.raises(ValueError, match="Unknown config field"):
         config_lib.get_config("quick", learning_rat=1.0)
     with pytest.raises(ValueError, match="Unknown dataset"):
