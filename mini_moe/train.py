@@ -200,11 +200,11 @@ def _step(model, optimizer, batch, cfg: TrainConfig, mesh=None):
     return train_step(model, optimizer, *batch, aux_weight=cfg.aux_loss_weight)
 
 
-def steps_for_budget(cfg: TrainConfig, seconds: float, *, datasets=None, probe_steps: int = 15) -> int:
+def steps_for_budget(cfg: TrainConfig, seconds: float, *, datasets=None, probe_steps: int = 30) -> int:
     """How many steps of ``cfg`` fit in ``seconds`` of training on this machine.
 
-    Times ``probe_steps`` training steps (after two warm-up steps that compile) on a
-    throw-away model and divides. ``python -m mini_moe train --minutes M`` uses it to size
+    Times ``probe_steps`` training steps (after five warm-up steps: compilation and the
+    first, slower steps) on a throw-away model and divides. ``python -m mini_moe train --minutes M`` uses it to size
     the warmup + cosine schedule to the time budget, so the learning rate has decayed when
     the time is up instead of being cut off at its peak.
     """
@@ -214,8 +214,8 @@ def steps_for_budget(cfg: TrainConfig, seconds: float, *, datasets=None, probe_s
     model = make_model(cfg)
     optimizer = make_optimizer(model, cfg)
     model.train()
-    for step in range(2 + probe_steps):
-        if step == 2:
+    for step in range(5 + probe_steps):
+        if step == 5:
             tick = time.perf_counter()
         float(_step(model, optimizer, batch_at(train_ds, cfg, step), cfg)["loss"])
     per_step = (time.perf_counter() - tick) / probe_steps
