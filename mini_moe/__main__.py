@@ -148,8 +148,11 @@ def _add_study(sub):
     )
     p.add_argument("--dataset", default="fashion_mnist", choices=data_lib.DATASETS)
     p.add_argument("--config", default=None, choices=["quick", "full"], help="scale preset (default: by backend)")
-    p.add_argument("--routers", nargs="+", default=None, choices=sorted(ROUTERS), metavar="ROUTER",
-                   help="routers to train (default: all)")
+    from mini_moe.study import STUDY_ROUTERS, VARIANTS
+
+    p.add_argument("--routers", nargs="+", default=None, choices=STUDY_ROUTERS, metavar="ROUTER",
+                   help="routers to train (default: all, and the Figure 3 ablation "
+                   + ", ".join(VARIANTS) + ")")
     p.add_argument("--capacities", nargs="+", type=int, default=[1, 2], help="k for token choice, c otherwise")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--no-dense", action="store_true", help="skip the dense ViT baseline")

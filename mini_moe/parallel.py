@@ -113,7 +113,7 @@ def shard_model(model: nnx.Module, mesh: Mesh, optimizer: nnx.Optimizer | None =
     and make every MoE layer exchange tokens with all_to_all. In place."""
     from mini_moe.model import MoeMlp
 
-    for _, module in model.iter_modules():
+    for _, module in nnx.iter_modules(model):
         if isinstance(module, MoeMlp):
             if module.experts.w1.shape[0] % mesh.shape["expert"]:
                 raise ValueError(
@@ -131,7 +131,7 @@ def model_mesh(model: nnx.Module) -> Mesh | None:
     """The mesh a model was sharded onto by :func:`shard_model`, or None."""
     from mini_moe.model import MoeMlp
 
-    return next((m.mesh for _, m in model.iter_modules() if isinstance(m, MoeMlp) and m.mesh is not None), None)
+    return next((m.mesh for _, m in nnx.iter_modules(model) if isinstance(m, MoeMlp) and m.mesh is not None), None)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

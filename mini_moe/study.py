@@ -13,6 +13,7 @@ cell.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import statistics
@@ -39,6 +40,11 @@ CAPACITY_OPTION = {
 }
 assert set(CAPACITY_OPTION) == set(ROUTERS), "every router needs a capacity option"
 
+# Paper 000, Figure 3: Sinkhorn Token Choice whose combine weights come from the transport
+# plan instead of the softmax. A study trains it next to the routers: variant -> (router, options).
+VARIANTS = {"sinkhorn_token_choice_plan_combine": ("sinkhorn_token_choice", {"softmax_combine": False})}
+STUDY_ROUTERS = sorted(ROUTERS) + sorted(VARIANTS)
+
 
 def cell_name(router: str | None, capacity: int, seed: int) -> str:
     return f"dense-s{seed}" if router is None else f"{router}-c{capacity}-s{seed}"
@@ -46,21 +52,24 @@ def cell_name(router: str | None, capacity: int, seed: int) -> str:
 
 def cell_config(router: str | None, capacity: int, seed: int, *, dataset: str, scale: str | None = None,
                 **overrides) -> config_lib.TrainConfig:
-    """The :class:`TrainConfig` of one study cell (``router=None``: the dense ViT)."""
-    if router is not None and router not in CAPACITY_OPTION:
-        raise ValueError(f"Unknown router {router!r}; expected one of: {', '.join(sorted(CAPACITY_OPTION))}.")
+    """The :class:`TrainConfig` of one study cell (``router=None``: the dense ViT; ``router``
+    may also name one of :data:`VARIANTS`)."""
+    if router is not None and router not in STUDY_ROUTERS:
+        raise ValueError(f"Unknown router {router!r}; expected one of: {', '.join(STUDY_ROUTERS)}.")
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}.")
+    router, options = VARIANTS.get(router, (router, {}))
     cfg = config_lib.get_config(scale, dataset=dataset, router=router, seed=seed, **overrides)
     if router is None:
         return cfg
-    kwargs = dict(cfg.model.router_kwargs)
+    kwargs = dict(cfg.model.router_kwargs) | options
     option = CAPACITY_OPTION[router]
     kwargs[option] = capacity * kwargs["slots_per_expert"] if option == "slots_per_expert" else capacity
     model = dataclasses.replace(cfg.model, router_kwargs=tuple(sorted(kwargs.items())))
     return dataclasses.replace(cfg, model=model)
 
 
+@functools.lru_cache(maxsize=None)
 def step_flops(cfg: config_lib.TrainConfig) -> float:
     """FLOPs of one training step's forward + backward pass, as counted by XLA on the
     compiled program (optimizer excluded). Loops are counted once, so iterative solvers
@@ -82,8 +91,10 @@ def step_flops(cfg: config_lib.TrainConfig) -> float:
 
 
 def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = None, datasets=None,
-             progress: bool = True) -> dict:
+             progress: bool = True, label: str | None = None) -> dict:
     """Train (or resume) one cell, evaluate it and write ``result.json``; returns the result.
+
+    ``label`` names the router in the result (default: ``cfg.model.router`` or ``"dense"``).
 
     With ``minutes``, the schedule is sized to that much training on this machine (measured
     once; a resumed cell keeps the steps it started with) and training stops when it is spent.
@@ -97,10 +108,10 @@ def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = No
         cfg = train.budget_config(cfg, 60.0 * minutes, out_dir=out_dir, datasets=datasets)
     history = train.train(cfg, out_dir, resume=True, progress=progress, datasets=datasets)
     model, _ = train.load_trained(out_dir)
-    flops = step_flops(cfg)
+    flops = step_flops(dataclasses.replace(cfg, seed=0))  # the same program for every seed
     final = history["eval"][-1]
     result = {
-        "router": cfg.model.router or "dense",
+        "router": label or cfg.model.router or "dense",
         "capacity": _capacity_of(cfg),
         "seed": cfg.seed,
         "steps": final["step"],
@@ -109,6 +120,7 @@ def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = No
         "train_seconds": round(history["seconds"], 2),
         "step_flops": flops,
         "train_flops": flops * final["step"],
+        "eval": history["eval"],  # test accuracy during training: [{"step", "seconds", "test_accuracy"}]
     }
     result_path.write_text(json.dumps(result, indent=1))
     return result
@@ -140,6 +152,35 @@ def summarize(cells: list[dict]) -> list[dict]:
     return rows
 
 
+def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", capacities=None) -> dict:
+    """Is router group ``better`` ahead of group ``worse``? A paired comparison over seeds.
+
+    For every (seed, capacity) in which both groups have cells, takes the difference of the
+    groups' mean ``metric``; returns ``{"difference": mean, "stderr": standard error of the
+    mean, "pairs": count}``. Pairing by seed removes what the cells of one seed share (the data
+    order), so the spread left is the routers' own.
+
+    Args:
+      cells: the ``cells`` of a study's results.
+      better, worse: a router name or a list of names (e.g. both Expert Choice routers).
+      metric: ``"test_accuracy"``, ``"ten_shot_accuracy"``, ``"train_seconds"``, ...
+      capacities: restrict to these capacities (default: all).
+    """
+    groups = [[better] if isinstance(better, str) else list(better), [worse] if isinstance(worse, str) else list(worse)]
+    by_key: dict[tuple, list[list[float]]] = {}
+    for cell in cells:
+        if capacities is not None and cell["capacity"] not in capacities:
+            continue
+        for side, names in enumerate(groups):
+            if cell["router"] in names:
+                by_key.setdefault((cell["seed"], cell["capacity"]), [[], []])[side].append(cell[metric])
+    diffs = [statistics.fmean(a) - statistics.fmean(b) for a, b in by_key.values() if a and b]
+    if not diffs:
+        raise ValueError(f"No (seed, capacity) has cells of both {groups[0]} and {groups[1]}.")
+    stderr = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+    return {"difference": statistics.fmean(diffs), "stderr": stderr, "pairs": len(diffs)}
+
+
 def run_study(out_dir, *, dataset: str, routers=None, capacities=(1, 2), seeds=(0, 1, 2), dense: bool = True,
               scale: str | None = None, minutes: float | None = None, command: str | None = None,
               progress: bool = True, **overrides) -> dict:
@@ -148,7 +189,7 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=(1, 2), seeds=(
     Args:
       out_dir: folder of the study; one sub-folder per cell.
       dataset: a dataset name (``mini_moe.data.DATASETS``).
-      routers: router names (default: all of ``mini_moe.ROUTERS``).
+      routers: router names or :data:`VARIANTS` (default: all of :data:`STUDY_ROUTERS`).
       capacities: the capacities to try (paper 000: 1 and 2).
       seeds: seeds per cell.
       dense: also train the dense ViT (once per seed).
@@ -161,7 +202,7 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=(1, 2), seeds=(
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    routers = sorted(ROUTERS) if routers is None else list(routers)
+    routers = list(STUDY_ROUTERS) if routers is None else list(routers)
     plan = [(None, 1, s) for s in seeds] if dense else []
     plan += [(r, c, s) for s in seeds for r in routers for c in capacities]
     datasets = train.load_data(cell_config(None, 1, 0, dataset=dataset, scale=scale, **overrides))
@@ -171,8 +212,9 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=(1, 2), seeds=(
         cfg = cell_config(router, capacity, seed, dataset=dataset, scale=scale, **overrides)
         if progress:
             print(f"[{i + 1}/{len(plan)}] {name}", file=sys.stderr, flush=True)
-        cells.append(run_cell(cfg, out_dir / name, minutes=minutes, datasets=datasets, progress=progress))
-        results = {"command": command, "machine": bench.machine(), "dataset": dataset,
+        cells.append(run_cell(cfg, out_dir / name, minutes=minutes, datasets=datasets, progress=progress,
+                              label=router))
+        results = {"command": command, "machine": bench.machine(), "dataset": dataset, "scale": scale or config_lib.default_scale(),
                    "minutes_per_cell": minutes, "overrides": {k: repr(v) for k, v in overrides.items()},
                    "cells": cells, "summary": summarize(cells)}
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
@@ -186,7 +228,8 @@ def plot_study(results: dict, *, cost: str = "train_seconds"):
 
     markers = {"softmax_token_choice": "o", "sinkhorn_token_choice": "s", "svmoe": "P",
                "softmax_expert_choice": "v", "sinkhorn_expert_choice": "D",
-               "sparsity_constrained_expert_choice": "^", "soft_moe": "*", "dense": "x"}
+               "sparsity_constrained_expert_choice": "^", "soft_moe": "*", "dense": "x",
+               "sinkhorn_token_choice_plan_combine": "X"}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, metric, title in ((axes[0], "test_accuracy", "test accuracy"),
                               (axes[1], "ten_shot_accuracy", "10-shot accuracy")):
@@ -213,7 +256,7 @@ def plot_curves(out_dir, results: dict):
         name = cell_name(None if cell["router"] == "dense" else cell["router"], cell["capacity"], cell["seed"])
         history = json.loads((pathlib.Path(out_dir) / name / "history.json").read_text())
         ax.plot([e["seconds"] for e in history["eval"]], [100 * e["test_accuracy"] for e in history["eval"]],
-                "o-", markersize=3, label=name, linestyle="--" if cell["router"] == "dense" else "-")
+                marker="o", markersize=3, label=name, linestyle="--" if cell["router"] == "dense" else "-")
     ax.set_xlabel("training time (s)")
     ax.set_ylabel("test accuracy (%)")
     ax.grid(alpha=0.3)

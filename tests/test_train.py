@@ -328,6 +328,11 @@ def test_study_runs_every_cell_resumes_and_summarizes(tmp_path, capsys):
     cfg = study.cell_config("soft_moe", 2, 0, dataset="digits", scale="quick")
     assert dict(cfg.model.router_kwargs)["slots_per_expert"] == 2 * round(16 / 8)
     assert dict(study.cell_config("svmoe", 1, 0, dataset="digits", scale="quick").model.router_kwargs)["k"] == 1
+    # The Figure 3 ablation: Sinkhorn Token Choice combining with the plan, at the cell's k.
+    ablation = study.cell_config("sinkhorn_token_choice_plan_combine", 2, 0, dataset="digits", scale="quick")
+    assert ablation.model.router == "sinkhorn_token_choice"
+    assert dict(ablation.model.router_kwargs)["softmax_combine"] is False
+    assert dict(ablation.model.router_kwargs)["k"] == 2
     with pytest.raises(ValueError, match="Unknown router"):
         study.cell_config("nope", 1, 0, dataset="digits")
     with pytest.raises(ValueError, match="capacity must be an integer"):
@@ -364,3 +369,21 @@ def test_study_summary_is_mean_and_std_over_seeds():
     assert rows["soft_moe"]["test_accuracy"] == pytest.approx(0.9)
     assert rows["soft_moe"]["test_accuracy_std"] == pytest.approx(np.std([0.8, 0.9, 1.0], ddof=1))
     assert rows["dense"]["test_accuracy_std"] == 0.0 and rows["dense"]["train_flops"] == 2e9
+
+
+def test_study_compare_is_paired_over_seed_and_capacity():
+    from mini_moe import study
+
+    def cell(router, capacity, seed, acc):
+        return {"router": router, "capacity": capacity, "seed": seed, "test_accuracy": acc}
+
+    cells = [cell("a", 1, 0, 0.80), cell("a", 1, 1, 0.90), cell("b", 1, 0, 0.70), cell("b", 1, 1, 0.86),
+             cell("c", 1, 0, 0.74), cell("c", 1, 1, 0.88), cell("a", 2, 0, 0.95)]  # ("a", 2) has no partner
+    out = study.compare(cells, "a", "b")
+    assert out["pairs"] == 2 and out["difference"] == pytest.approx((0.10 + 0.04) / 2)
+    assert out["stderr"] == pytest.approx(np.std([0.10, 0.04], ddof=1) / np.sqrt(2))
+    # A group's cells are averaged before the difference is taken.
+    grouped = study.compare(cells, "a", ["b", "c"])
+    assert grouped["difference"] == pytest.approx(((0.80 - 0.72) + (0.90 - 0.87)) / 2)
+    with pytest.raises(ValueError, match="No \\(seed, capacity\\)"):
+        study.compare(cells, "a", "b", capacities=[2])
