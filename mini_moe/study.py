@@ -18,6 +18,7 @@ import json
 import pathlib
 import statistics
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -80,11 +81,14 @@ def step_flops(cfg: config_lib.TrainConfig) -> float:
     images = jnp.zeros((cfg.batch_size, m.image_size, m.image_size, m.channels), jnp.float32)
     labels = jnp.zeros((cfg.batch_size,), jnp.int32)
 
-    def loss(state):
-        out = nnx.merge(graphdef, state)(images)
+    def loss(model):
+        out = model(images)
         return optax.softmax_cross_entropy_with_integer_labels(out.logits, labels).mean() + out.aux_loss
 
-    analysis = jax.jit(jax.grad(loss)).lower(state).compile().cost_analysis()
+    def gradients(state):  # nnx.grad: gradients of the parameters only (not of RNG keys)
+        return nnx.grad(loss)(nnx.merge(graphdef, state))
+
+    analysis = jax.jit(gradients).lower(state).compile().cost_analysis()
     if isinstance(analysis, (list, tuple)):
         analysis = analysis[0]
     return float(analysis.get("flops", float("nan")))
@@ -103,6 +107,7 @@ def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = No
     result_path = out_dir / "result.json"
     if result_path.exists():
         return json.loads(result_path.read_text())
+    tick = time.perf_counter()
     datasets = datasets if datasets is not None else train.load_data(cfg)
     if minutes is not None:
         cfg = train.budget_config(cfg, 60.0 * minutes, out_dir=out_dir, datasets=datasets)
@@ -120,6 +125,9 @@ def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = No
         "train_seconds": round(history["seconds"], 2),
         "step_flops": flops,
         "train_flops": flops * final["step"],
+        # wall-clock time of this call: training, evaluation, 10-shot probe, FLOP count
+        # (of the last session only, for a cell that was resumed)
+        "wall_seconds": round(time.perf_counter() - tick, 1),
         "eval": history["eval"],  # test accuracy during training: [{"step", "seconds", "test_accuracy"}]
     }
     result_path.write_text(json.dumps(result, indent=1))
@@ -216,6 +224,7 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=(1, 2), seeds=(
                               label=router))
         results = {"command": command, "machine": bench.machine(), "dataset": dataset, "scale": scale or config_lib.default_scale(),
                    "minutes_per_cell": minutes, "overrides": {k: repr(v) for k, v in overrides.items()},
+                   "wall_seconds": round(sum(c.get("wall_seconds", 0.0) for c in cells), 1),
                    "cells": cells, "summary": summarize(cells)}
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     return results

@@ -282,6 +282,8 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"{cfg.model.router or 'dense'}")
     for step in range(start, cfg.steps):
+        if cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds:
+            break  # a resumed run whose time budget was already spent
         tick = time.perf_counter()
         stats = _step(model, optimizer, batch_at(train_ds, cfg, step), cfg, mesh)
         loss = float(stats["loss"])  # waits for the step: the time below is the step's

@@ -1,6 +1,7 @@
 """Model, configs, training (exact resume, NaN guard), evaluation, PRC loss and the CLI."""
 
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -310,6 +311,14 @@ def test_minutes_budget_sizes_the_schedule_and_resume_keeps_it(tmp_path, digits,
     assert train.budget_config(cfg, 3.0).steps == 99
 
 
+def test_time_budget_stops_training_and_a_spent_run_resumes_without_training(tmp_path, digits):
+    cfg = _cfg(steps=20, max_seconds=1e-9)  # spent after the first step
+    history = train.train(cfg, tmp_path, progress=False, datasets=digits)
+    assert [e["step"] for e in history["eval"]] == [1]  # evaluated and checkpointed where it stopped
+    again = train.train(cfg, tmp_path, resume=True, progress=False, datasets=digits)
+    assert [e["step"] for e in again["eval"]] == [1] and again["seconds"] == history["seconds"]
+
+
 def test_committed_results_are_packaged():
     from mini_moe import bench
 
@@ -344,6 +353,7 @@ def test_study_runs_every_cell_resumes_and_summarizes(tmp_path, capsys):
     cli.main(args)
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["cells"]) == 3 and results["command"].startswith("python -m mini_moe study")
+    assert results["wall_seconds"] >= sum(c["train_seconds"] for c in results["cells"]) > 0
     rows = {(r["router"], r["capacity"]): r for r in results["summary"]}
     assert set(rows) == {("dense", 1), ("soft_moe", 1), ("soft_moe", 2)}
     # Capacity 2 processes twice the slots: XLA counts more FLOPs.
@@ -355,6 +365,18 @@ def test_study_runs_every_cell_resumes_and_summarizes(tmp_path, capsys):
     cli.main(args)
     assert (tmp_path / "soft_moe-c2-s0" / "result.json").exists()
     assert (tmp_path / "dense-s0" / "result.json").stat().st_mtime == before
+
+
+def test_step_flops_counts_every_study_router():
+    """Every router's training step compiles for the FLOP count (also the noisy, RNG-carrying
+    softmax Token Choice), and k = 2 costs more than k = 1: twice the expert buffer."""
+    from mini_moe import study
+
+    tiny = {k: v for k, v in TINY.items() if k != "model_group_images"}
+    flops = {(r, c): study.step_flops(study.cell_config(r, c, 0, dataset="digits", scale="quick", **tiny))
+             for r in study.STUDY_ROUTERS for c in (1, 2) if c == 1 or r == "softmax_token_choice"}
+    assert all(math.isfinite(f) and f > 0 for f in flops.values()), flops
+    assert flops[("softmax_token_choice", 2)] > flops[("softmax_token_choice", 1)]
 
 
 def test_study_summary_is_mean_and_std_over_seeds():
