@@ -203,19 +203,20 @@ def _step(model, optimizer, batch, cfg: TrainConfig, mesh=None):
 def steps_for_budget(cfg: TrainConfig, seconds: float, *, datasets=None, probe_steps: int = 30) -> int:
     """How many steps of ``cfg`` fit in ``seconds`` of training on this machine.
 
-    Times ``probe_steps`` training steps (after five warm-up steps: compilation and the
-    first, slower steps) on a throw-away model and divides. ``python -m mini_moe train --minutes M`` uses it to size
-    the warmup + cosine schedule to the time budget, so the learning rate has decayed when
-    the time is up instead of being cut off at its peak.
+    Times ``probe_steps`` training steps (after ``warmup_steps`` untimed ones: compilation and
+    the first, slower steps) on a throw-away model and divides. ``python -m mini_moe train
+    --minutes M`` uses it to size the warmup + cosine schedule to the time budget, so the
+    learning rate has decayed when the time is up instead of being cut off at its peak.
     """
+    warmup_steps = 5
     if not seconds > 0:
         raise ValueError(f"seconds must be > 0, got {seconds!r}.")
     train_ds = (datasets if datasets is not None else load_data(cfg))[0]
     model = make_model(cfg)
     optimizer = make_optimizer(model, cfg)
     model.train()
-    for step in range(5 + probe_steps):
-        if step == 5:
+    for step in range(warmup_steps + probe_steps):
+        if step == warmup_steps:
             tick = time.perf_counter()
         float(_step(model, optimizer, batch_at(train_ds, cfg, step), cfg)["loss"])
     per_step = (time.perf_counter() - tick) / probe_steps
