@@ -15,7 +15,7 @@ import numbers
 
 import numpy as np
 
-__all__ = ["glue"]
+__all__ = ["glue", "listing"]
 
 
 def _plain(value):
@@ -56,3 +56,17 @@ def glue(name: str, value, *, fmt: str | None = None):
     else:
         myst_glue(name, plain, display=False)
     return plain
+
+
+def listing(items, *, none: str = "none") -> str:
+    """Items as an English list for the prose: ``[4, 5, 6]`` -> ``"4, 5 and 6"``.
+
+    Args:
+      items: anything iterable (NumPy arrays included); each item is shown with ``str``
+        (NumPy integers as plain ints).
+      none: the text for an empty list.
+    """
+    words = [str(_plain(i)) if not isinstance(i, str) else i for i in items]
+    if not words:
+        return none
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
