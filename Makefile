@@ -1,7 +1,8 @@
 # mini_moe: build the book, run the tests.
 #
 #   make book   the main job: execute every chapter and build the HTML into _build/html
-#   make test   unit tests, every chapter under nbval, and the notebook-pair checks
+#   make test   unit tests, every chapter under nbval, the notebook-pair checks, the workflow
+#               lint and the offline browser check of a built slice of the book
 #   make sync   after editing book/NN_topic.md: update its .ipynb twin (outputs stripped)
 #
 # Everything runs inside a virtual environment in .venv, created on first use from
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data book test unit nbval check-notebooks sync clean
+.PHONY: venv data book test unit nbval check-notebooks sync clean chromium browser-check lint-workflows
 
 venv: $(STAMP)
 
@@ -37,7 +38,7 @@ book: venv data
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "HTML: _build/html/index.html"
 
-test: check-notebooks unit nbval
+test: check-notebooks lint-workflows unit nbval browser-check
 
 unit: venv data
 	$(PY) -m pytest tests
@@ -48,6 +49,21 @@ nbval: venv data
 
 check-notebooks: venv
 	$(PY) .ci/notebooks.py check
+
+# actionlint checks .github/workflows (and runs shellcheck on `run:` scripts if it is on PATH).
+lint-workflows: venv
+	$(VENV)/bin/actionlint -no-color .github/workflows/*.yml
+	@echo "actionlint: workflows OK"
+
+# Headless Chromium from Debian's package, for the browser check.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null \
+	  || $(SUDO) apt-get install -y chromium || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+
+# Builds intro + chapter 1 (+ a probe page) into a temporary folder with _config.yml and opens
+# the pages in headless Chromium without network: equations typeset, figures loaded.
+browser-check: venv data chromium
+	$(PY) .ci/browser_check.py
 
 sync: venv
 	$(VENV)/bin/jupytext --sync $(CHAPTERS_MD)

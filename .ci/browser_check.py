@@ -1,0 +1,426 @@
+"""Open built book pages in headless Chromium with no network and check what a reader sees.
+
+The book is a web page and is tested like one (DESIGN.md §5): every equation must be typeset
+by the math renderer that ships inside the build (no CDN), and every figure must load.
+
+    python .ci/browser_check.py                       # build a slice of the book, check it
+    python .ci/browser_check.py --html _build/html book/01_unified_formulation.html ...
+
+Without --html it builds a small book into a temporary folder from the repository's own
+_config.yml: the introduction, chapter 1 (executed: inline, display and amsmath equations,
+matplotlib figures), the references and a probe page whose code cells emit LaTeX outputs
+(``display(Math(...))``, ``glue``), then checks the chapter, the probe and the introduction.
+
+For each page, Chromium (found as $CHROMIUM, chromium, chromium-browser or google-chrome) runs
+headless inside ``unshare -n`` when that works, and always with DNS resolution and proxying
+pointed at nothing. The page is driven over the DevTools protocol on a pipe
+(--remote-debugging-pipe), so nothing listens on a port and no extra Python package is needed.
+A page passes when MathJax typeset every math element (``span.math``/``div.math`` each holds an
+``mjx-container``, no ``mjx-merror``, no web font failed), no raw TeX delimiter is left in its
+visible text outside code, no display equation is cut off where scrolling cannot reach it (in a
+1280 px and a 412 px wide window), and every ``<img>`` in the article has ``naturalWidth > 0``.
+Exit status 1 with a message saying what failed otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = "book/01_unified_formulation"
+PHONE_WIDTH = 412  # a second window width for the cut-off-equation check
+
+PROBE_PAGE = textwrap.dedent(r'''
+    ---
+    jupytext:
+      text_representation:
+        extension: .md
+        format_name: myst
+    kernelspec:
+      display_name: Python 3 (ipykernel)
+      language: python
+      name: python3
+    ---
+
+    # Browser probe
+
+    Inline math $a^2 + b^2 = c^2$ and a numbered display equation:
+
+    $$
+    \operatorname{softmax}(\mathbf{x})_i = \frac{e^{x_i}}{\sum_j e^{x_j}}
+    $$ (probe-softmax)
+
+    An amsmath environment:
+
+    \begin{align}
+      \mathbf{y} &= \sum_{e=1}^{E} \sum_{c=1}^{C} \mathbf{C}_{t,e,c}\, f_e(\mathbf{X}_{e,c}) \\
+      \mathbf{X}_{e,c} &= \sum_{t=1}^{T} \mathbf{D}_{t,e,c}\, \mathbf{x}_t
+    \end{align}
+
+    ```{code-cell} ipython3
+    from IPython.display import Math, display
+    from myst_nb import glue
+
+    display(Math(r"\sum_{c=1}^{C} \mathbf{D}_{t,e,c} \le 1"))
+    glue("probe_glued", Math(r"\tfrac{k T}{E}"), display=False)
+    ```
+
+    A glued LaTeX output inline: {glue:}`probe_glued`, and a reference to {eq}`probe-softmax`.
+''').lstrip()
+
+# Runs in the page: the measurements, returned as JSON.
+MEASURE_JS = r"""
+(() => {
+  const main = document.querySelector('main article') || document.querySelector('article')
+            || document.querySelector('main') || document.body;
+  const maths = [...main.querySelectorAll('.math')];
+  const unrendered = maths.filter(e => !e.querySelector('mjx-container'))
+                          .map(e => e.textContent.trim().slice(0, 80));
+  const errors = [...main.querySelectorAll('mjx-merror')]
+                   .map(e => e.getAttribute('data-mjx-error') || e.textContent.slice(0, 80));
+  const clone = main.cloneNode(true);
+  clone.querySelectorAll('pre, code, script, style, textarea, mjx-container, .cell_input')
+       .forEach(e => e.remove());
+  const text = clone.textContent;
+  const raw = [];
+  for (const tok of ['$$', '\\begin{', '\\(', '\\[', '\\frac', '\\mathbf']) {
+    const i = text.indexOf(tok);
+    if (i >= 0) raw.push(JSON.stringify(text.slice(Math.max(0, i - 30), i + 50)));
+  }
+  const imgs = [...main.querySelectorAll('img')].map(i => ({
+    src: i.getAttribute('src'), ok: i.complete && i.naturalWidth > 0,
+    w: i.naturalWidth, h: i.naturalHeight, output: !!i.closest('.cell_output, figure, .figure')}));
+  const fonts = document.fonts ? [...document.fonts] : [];
+  return JSON.stringify({
+    title: document.title,
+    mathjax: !!(window.MathJax && MathJax.version) ? MathJax.version : null,
+    math_elements: maths.length,
+    mjx: main.querySelectorAll('mjx-container').length,
+    mjx_display: main.querySelectorAll('mjx-container[display="true"]').length,
+    output_math: main.querySelectorAll('.text_latex mjx-container').length,
+    unrendered, errors, raw, imgs,
+    font_errors: fonts.filter(f => f.status === 'error').map(f => f.family),
+    fonts_loaded: fonts.filter(f => f.status === 'loaded').map(f => f.family),
+    mathjax_src: [...document.scripts].map(s => s.src).filter(s => /mathjax|tex-/i.test(s)),
+  });
+})()
+"""
+
+# Display equations whose typeset box sticks out of the text column where no scrolling reaches
+# it (cut off at the left, or at the right of a box that does not scroll).
+CLIPPED_JS = r"""
+JSON.stringify([...document.querySelectorAll('main .math mjx-container[display="true"]')].filter(c => {
+  const box = c.closest('.math').getBoundingClientRect();
+  const m = (c.querySelector('mjx-math') || c).getBoundingClientRect();
+  const scrolls = c.scrollWidth > c.clientWidth + 1 && /auto|scroll/.test(getComputedStyle(c).overflowX);
+  return m.left < box.left - 1 || (m.right > box.right + 1 && !scrolls);
+}).map(c => (c.querySelector('mjx-assistive-mml') || c).textContent.replace(/\s+/g, ' ').slice(0, 50)))
+"""
+
+# Waits until MathJax finished typesetting (if it loaded at all) and images and fonts are in.
+SETTLE_JS = r"""
+(async () => {
+  const t0 = Date.now();
+  while (document.readyState !== 'complete' && Date.now() - t0 < 20000)
+    await new Promise(r => setTimeout(r, 50));
+  let state = 'no MathJax library';
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    await MathJax.startup.promise;
+    state = 'typeset';
+  }
+  await Promise.all([...document.images].map(i => { i.loading = 'eager';
+    return i.decode().catch(() => null); }));
+  if (document.fonts) await document.fonts.ready;
+  await new Promise(r => setTimeout(r, 200));
+  return state;
+})()
+"""
+
+
+class Browser:
+    """Headless Chromium driven over --remote-debugging-pipe (fd 3: commands, fd 4: replies)."""
+
+    def __init__(self, executable: str, width: int = 1280, height: int = 900):
+        self.width, self.height = width, height
+        self.profile = tempfile.mkdtemp(prefix="browser-check-profile-")
+        flags = [
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+            "--no-first-run", "--no-default-browser-check", "--disable-extensions",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--disable-default-apps", "--disable-domain-reliability", "--metrics-recording-only",
+            "--host-resolver-rules=MAP * ~NOTFOUND", "--proxy-server=127.0.0.1:9",
+            "--proxy-bypass-list=<-loopback>", "--hide-scrollbars", "--mute-audio",
+            f"--window-size={width},{height}", "--force-device-scale-factor=1",
+            f"--user-data-dir={self.profile}", "--remote-debugging-pipe", "about:blank",
+        ]
+        self.isolation = "DNS/proxy blocked"
+        prefix: list[str] = []
+        for cand in (["unshare", "-n"], ["unshare", "-rn"]):
+            if shutil.which("unshare") and subprocess.run(
+                    cand + ["true"], capture_output=True).returncode == 0:
+                prefix, self.isolation = cand, f"{' '.join(cand)} (no network namespace) + DNS/proxy blocked"
+                break
+        to_child_r, self._w = os.pipe()
+        self._r, from_child_w = os.pipe()
+        # Close-on-exec copies above fd 100, moved onto 3 and 4 in the child (dup2 clears
+        # close-on-exec there); every other descriptor of ours is close-on-exec already.
+        hi = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 100) for fd in (to_child_r, from_child_w)]
+
+        def plumb():
+            os.dup2(hi[0], 3)
+            os.dup2(hi[1], 4)
+
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(prefix + [executable] + flags, stdin=subprocess.DEVNULL,
+                                     stdout=self.log, stderr=self.log,
+                                     close_fds=False, preexec_fn=plumb)
+        for fd in (to_child_r, from_child_w, *hi):
+            os.close(fd)
+        self._buf = b""
+        self._id = 0
+        self.events: list[dict] = []
+        self.session = None
+        target = self.call("Target.createTarget", {"url": "about:blank"})["targetId"]
+        self.session = self.call("Target.attachToTarget",
+                                 {"targetId": target, "flatten": True})["sessionId"]
+        self.resize(width, height)
+        for domain in ("Page", "Network", "Runtime", "Log"):
+            self.call(f"{domain}.enable")
+
+    def resize(self, width: int, height: int) -> None:
+        self.call("Emulation.setDeviceMetricsOverride",
+                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
+
+    def _read(self, deadline: float) -> dict:
+        while b"\0" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._r], [], [], left)[0]:
+                raise TimeoutError("no answer from Chromium")
+            chunk = os.read(self._r, 1 << 20)
+            if not chunk:
+                self.log.seek(0)
+                raise RuntimeError("Chromium exited:\n" + self.log.read().decode(errors="replace")[-3000:])
+            self._buf += chunk
+        msg, self._buf = self._buf.split(b"\0", 1)
+        return json.loads(msg)
+
+    def call(self, method: str, params: dict | None = None, timeout: float = 60) -> dict:
+        self._id += 1
+        msg = {"id": self._id, "method": method, "params": params or {}}
+        if self.session:
+            msg["sessionId"] = self.session
+        os.write(self._w, json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._read(deadline)
+            if reply.get("id") == self._id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply.get("result", {})
+            self.events.append(reply)
+
+    def evaluate(self, expression: str, timeout: float = 60):
+        result = self.call("Runtime.evaluate", {"expression": expression, "awaitPromise": True,
+                                                "returnByValue": True, "timeout": timeout * 1000},
+                           timeout=timeout + 5)
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"page script failed: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def open(self, url: str, timeout: float = 60) -> None:
+        self.events.clear()
+        self.call("Page.navigate", {"url": url})
+        deadline = time.monotonic() + timeout
+        while not any(e.get("method") == "Page.loadEventFired" for e in self.events):
+            self.events.append(self._read(deadline))
+
+    def screenshot(self, path: Path, max_height: int = 16000) -> None:
+        """The whole page, taken with a window as tall as the page (captureBeyondViewport
+        shifts this theme's layout sideways)."""
+        import base64
+        height = int(self.call("Page.getLayoutMetrics")["cssContentSize"]["height"])
+        self.resize(self.width, min(height, max_height))
+        self.evaluate("new Promise(r => setTimeout(r, 300))")
+        data = self.call("Page.captureScreenshot", {"format": "png"})["data"]
+        self.resize(self.width, self.height)
+        path.write_bytes(base64.b64decode(data))
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close", timeout=5)
+        except Exception:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        os.close(self._w)
+        os.close(self._r)
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def find_chromium() -> str:
+    for name in (os.environ.get("CHROMIUM"), "chromium", "chromium-browser", "google-chrome"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    sys.exit("browser check: no Chromium found (apt-get install chromium, or set CHROMIUM)")
+
+
+def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> tuple[dict, list[str]]:
+    path = (html / page).resolve()
+    if not path.is_file():
+        return {}, [f"{page}: not built ({path} is missing)"]
+    browser.open(path.as_uri())
+    state = browser.evaluate(SETTLE_JS)
+    m = json.loads(browser.evaluate(MEASURE_JS))
+    m["state"] = state
+    external = sorted({e["params"]["request"]["url"] for e in browser.events
+                       if e.get("method") == "Network.requestWillBeSent"
+                       and not e["params"]["request"]["url"].startswith(("file:", "data:", "blob:", "about:"))})
+    failed_ids = {e["params"]["requestId"]: e["params"].get("errorText", "") for e in browser.events
+                  if e.get("method") == "Network.loadingFailed"}
+    failed_files = sorted({e["params"]["request"]["url"] for e in browser.events
+                           if e.get("method") == "Network.requestWillBeSent"
+                           and e["params"]["requestId"] in failed_ids
+                           and e["params"]["request"]["url"].startswith("file:")})
+    m["external"], m["failed_files"] = external, failed_files
+    clipped = {}
+    for width in (browser.width, PHONE_WIDTH):
+        browser.resize(width, browser.height)
+        clipped[width] = json.loads(browser.evaluate(CLIPPED_JS))
+    browser.resize(browser.width, browser.height)
+    if shots:
+        shots.mkdir(parents=True, exist_ok=True)
+        browser.screenshot(shots / (page.replace("/", "_").removesuffix(".html") + ".png"))
+    problems = []
+    if m["unrendered"]:
+        problems.append(f"{len(m['unrendered'])} of {m['math_elements']} math element(s) not typeset "
+                        f"(MathJax: {state}; scripts {m['mathjax_src'] or 'none'}), "
+                        f"e.g. {m['unrendered'][0]!r}")
+    if m["errors"]:
+        problems.append(f"{len(m['errors'])} MathJax error(s): {m['errors'][:3]}")
+    if m["raw"]:
+        problems.append(f"raw TeX visible in the text: {'; '.join(m['raw'][:3])}")
+    if m["font_errors"]:
+        problems.append(f"web fonts failed to load: {sorted(set(m['font_errors']))}")
+    bad = [i["src"] for i in m["imgs"] if not i["ok"]]
+    if bad:
+        problems.append(f"{len(bad)} of {len(m['imgs'])} image(s) did not load: {bad[:3]}")
+    if failed_files:
+        problems.append(f"local files failed to load: {failed_files[:5]}")
+    for width, eqs in clipped.items():
+        if eqs:
+            problems.append(f"{len(eqs)} display equation(s) cut off in a {width} px wide window "
+                            f"(no scrolling reaches the rest), e.g. {eqs[0]!r}")
+    return m, [f"{page}: {p}" for p in problems]
+
+
+def build_slice(workdir: Path) -> Path:
+    """Build intro + chapter 1 + references + probe page with the repository's _config.yml."""
+    src = workdir / "src"
+    (src / "book").mkdir(parents=True)
+    for rel in ("_config.yml", "references.bib", "book/intro.md", "book/references.md",
+                f"{CHAPTER}.ipynb"):
+        shutil.copy2(ROOT / rel, src / rel)
+    if (ROOT / "_static").is_dir():
+        shutil.copytree(ROOT / "_static", src / "_static")
+    (src / "book/zz_browser_probe.md").write_text(PROBE_PAGE)
+    (src / "_toc.yml").write_text(textwrap.dedent(f"""\
+        format: jb-book
+        root: book/intro
+        chapters:
+          - file: {CHAPTER}.ipynb
+          - file: book/zz_browser_probe
+          - file: book/references
+        """))
+    jb = Path(sys.executable).parent / "jupyter-book"
+    cmd = [str(jb if jb.exists() else "jupyter-book"), "build", str(src), "--path-output", str(workdir)]
+    print("browser check: building a slice of the book:", " ".join(cmd), flush=True)
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        print(done.stdout[-6000:], done.stderr[-6000:], sep="\n", file=sys.stderr)
+        sys.exit(f"browser check FAILED: the slice build exited with {done.returncode}")
+    print(f"browser check: slice built in {time.monotonic() - t0:.0f} s", flush=True)
+    return workdir / "_build" / "html"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pages", nargs="*", help="pages relative to --html (default: every chapter page "
+                        "found); a chapter page (book/NN_topic.html) must show an equation and a figure")
+    parser.add_argument("--html", type=Path, help="an existing build (e.g. _build/html); default: build a slice")
+    parser.add_argument("--screenshots", type=Path, help="save a full-page PNG of each page here")
+    parser.add_argument("--keep", type=Path, help="build the slice here (kept) instead of a temporary folder")
+    args = parser.parse_args(argv)
+
+    chromium = find_chromium()
+    tmp = None
+    if args.html:
+        html = args.html
+        pages = args.pages or sorted(p.relative_to(html).as_posix()
+                                     for p in html.glob("book/[0-9][0-9]_*.html"))
+        chapters = [p for p in pages if re.fullmatch(r"book/\d\d_\w+\.html", p)]
+    else:
+        if args.keep:
+            if args.keep.exists() and any(args.keep.iterdir()) \
+                    and not (args.keep / "src/book/zz_browser_probe.md").exists():
+                sys.exit(f"browser check: --keep {args.keep} is a folder that is not a slice build")
+            shutil.rmtree(args.keep, ignore_errors=True)
+            workdir = args.keep
+        else:
+            workdir = tmp = Path(tempfile.mkdtemp(prefix="browser-check-"))
+        html = build_slice(workdir)
+        pages = args.pages or [f"{CHAPTER}.html", "book/zz_browser_probe.html", "book/intro.html"]
+        chapters = [f"{CHAPTER}.html"]
+
+    problems: list[str] = []
+    browser = Browser(chromium)
+    print(f"browser check: {Path(chromium).name}, network off: {browser.isolation}")
+    try:
+        for page in pages:
+            m, page_problems = check_page(browser, html, page, args.screenshots)
+            problems += page_problems
+            if not m:
+                continue
+            figs = sum(i["ok"] for i in m["imgs"] if i["output"])
+            print(f"  {page}: {m['mjx']} equation(s) rendered by MathJax {m['mathjax']} "
+                  f"({m['mjx_display']} display, {m['output_math']} from cell outputs) "
+                  f"of {m['math_elements']} math element(s); "
+                  f"{sum(i['ok'] for i in m['imgs'])}/{len(m['imgs'])} image(s) loaded, {figs} figure(s)")
+            if m["external"]:
+                print(f"    blocked external request(s): {', '.join(m['external'][:5])}")
+            if page in chapters and m["mjx"] == 0:  # a chapter without any equation typeset
+                problems.append(f"{page}: no equation rendered (MathJax: {m['state']})")
+            if page in chapters and figs == 0:
+                problems.append(f"{page}: no figure loaded")
+            if page == "book/zz_browser_probe.html" and m["output_math"] < 2:
+                problems.append(f"{page}: LaTeX cell outputs not typeset ({m['output_math']} of 2)")
+    finally:
+        browser.close()
+        if tmp and not problems:
+            shutil.rmtree(tmp, ignore_errors=True)
+    sys.stdout.flush()
+    if problems:
+        print("browser check FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+        if tmp:
+            print(f"  (the slice build is kept in {tmp})", file=sys.stderr)
+        return 1
+    print(f"browser check: {len(pages)} page(s) render their equations and figures offline")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
