@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -160,19 +161,76 @@ def summarize(cells: list[dict]) -> list[dict]:
     return rows
 
 
-def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", capacities=None) -> dict:
-    """Is router group ``better`` ahead of group ``worse``? A paired comparison over seeds.
+def paired_t(differences, *, level: float = 0.95) -> dict:
+    """Paired t-test of ``differences`` (one per independent pair) against zero.
+
+    Returns ``{"difference": mean, "stderr": standard error of the mean, "pairs": n,
+    "t": mean / stderr, "df": n - 1, "p_value": two-sided p-value of Student's t with n - 1
+    degrees of freedom, "ci_low", "ci_high": the ``level`` confidence interval of the mean
+    difference, mean -+ t_{(1 + level)/2, n-1} * stderr}``. With one pair every statistic but
+    the mean is NaN; with a zero spread the t statistic is infinite (p = 0) unless the mean is
+    zero too (t = 0, p = 1).
+    """
+    from scipy import stats  # a dependency of scikit-learn
+
+    diffs = [float(d) for d in differences]
+    if not diffs:
+        raise ValueError("paired_t needs at least one difference.")
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level!r}.")
+    n, mean = len(diffs), statistics.fmean(diffs)
+    out = {"difference": mean, "pairs": n, "df": n - 1}
+    if n < 2:
+        return out | {"stderr": math.nan, "t": math.nan, "p_value": math.nan, "ci_low": math.nan, "ci_high": math.nan}
+    stderr = statistics.stdev(diffs) / math.sqrt(n)
+    if stderr > 0:
+        t = mean / stderr
+        p_value = float(2 * stats.t.sf(abs(t), n - 1))
+    else:
+        t, p_value = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+    half = float(stats.t.ppf((1 + level) / 2, n - 1)) * stderr
+    return out | {"stderr": stderr, "t": t, "p_value": p_value, "ci_low": mean - half, "ci_high": mean + half}
+
+
+def holm(p_values) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values (controls the family-wise error rate).
+
+    The i-th smallest of m p-values is multiplied by m - i + 1 (i = 1, ..., m), the products are
+    made non-decreasing in that order and capped at 1; returned in the order given. A comparison
+    is significant at level alpha for the whole family when its adjusted p-value is below alpha.
+    """
+    p = [float(v) for v in p_values]
+    if any(not 0 <= v <= 1 for v in p):
+        raise ValueError(f"p-values must lie in [0, 1], got {p}.")
+    m = len(p)
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, index in enumerate(sorted(range(m), key=lambda i: p[i])):
+        running = max(running, min(1.0, (m - rank) * p[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", capacities=None,
+            level: float = 0.95) -> dict:
+    """Is router group ``better`` ahead of group ``worse``? A paired t-test over seeds.
 
     For every (seed, capacity) in which both groups have cells, takes the difference of the
-    groups' mean ``metric``; returns ``{"difference": mean, "stderr": standard error of the
-    mean, "pairs": count}``. Pairing by seed removes what the cells of one seed share (the data
-    order), so the spread left is the routers' own.
+    groups' mean ``metric``. Pairing by seed removes what the cells of one seed share (the data
+    order, and the initial weights of models of the same shape). For the same reason the
+    differences at several capacities of one seed are not independent: they are averaged into
+    one difference per seed, and the seeds are the pairs of the test. Returns
+    :func:`paired_t` of those per-seed differences: ``difference`` (mean), ``stderr``,
+    ``pairs`` (seeds), ``t``, ``df``, ``p_value`` (two-sided) and the ``level`` confidence
+    interval ``ci_low``, ``ci_high``. A study that reports several comparisons should adjust
+    their p-values together (:func:`holm`).
 
     Args:
       cells: the ``cells`` of a study's results.
       better, worse: a router name or a list of names (e.g. both Expert Choice routers).
       metric: ``"test_accuracy"``, ``"ten_shot_accuracy"``, ``"train_seconds"``, ...
       capacities: restrict to these capacities (default: all).
+      level: the confidence level of the interval.
     """
     groups = [[better] if isinstance(better, str) else list(better), [worse] if isinstance(worse, str) else list(worse)]
     by_key: dict[tuple, list[list[float]]] = {}
@@ -182,11 +240,13 @@ def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", 
         for side, names in enumerate(groups):
             if cell["router"] in names:
                 by_key.setdefault((cell["seed"], cell["capacity"]), [[], []])[side].append(cell[metric])
-    diffs = [statistics.fmean(a) - statistics.fmean(b) for a, b in by_key.values() if a and b]
-    if not diffs:
+    by_seed: dict[int, list[float]] = {}
+    for (seed, _), (a, b) in sorted(by_key.items()):
+        if a and b:
+            by_seed.setdefault(seed, []).append(statistics.fmean(a) - statistics.fmean(b))
+    if not by_seed:
         raise ValueError(f"No (seed, capacity) has cells of both {groups[0]} and {groups[1]}.")
-    stderr = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
-    return {"difference": statistics.fmean(diffs), "stderr": stderr, "pairs": len(diffs)}
+    return paired_t([statistics.fmean(d) for d in by_seed.values()], level=level)
 
 
 def run_study(out_dir, *, dataset: str, routers=None, capacities=(1, 2), seeds=(0, 1, 2), dense: bool = True,
