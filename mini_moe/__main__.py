@@ -1,10 +1,16 @@
-"""Command line: ``python -m mini_moe {train,evaluate,bench,study} ...`` (``--help`` on each)."""
+"""Command line: ``python -m mini_moe {train,evaluate,bench,study} ...`` (``--help`` on each).
+
+A user's error (a bad argument or option value, missing data, a missing optional package)
+ends in one message on stderr, ``mini_moe: error: ...``, and exit status 2; set
+``MINI_MOE_TRACEBACK=1`` to see the traceback instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 import ast
 import json
+import os
 import pathlib
 import sys
 
@@ -12,6 +18,9 @@ from mini_moe import data as data_lib
 from mini_moe.routers import ROUTERS
 
 ROUTER_CHOICES = sorted(ROUTERS) + ["dense"]
+
+#: What the library raises for input it cannot use; its messages name the argument and the fix.
+USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
 
 
 def _parse_override(text: str):
@@ -73,10 +82,7 @@ def _train(args):
     if args.mesh is not None:
         overrides["mesh"] = args.mesh
     router = None if args.router == "dense" else args.router
-    try:
-        cfg = config_lib.get_config(args.config, dataset=args.dataset, router=router, seed=args.seed, **overrides)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"error: {e}")
+    cfg = config_lib.get_config(args.config, dataset=args.dataset, router=router, seed=args.seed, **overrides)
     out = pathlib.Path(args.out or f"runs/{args.dataset}-{args.router}-s{args.seed}")
     if args.minutes is not None and args.steps is None:
         cfg = train_lib.budget_config(cfg, 60.0 * args.minutes, out_dir=None if args.no_resume else out)
@@ -120,11 +126,12 @@ def _evaluate(args):
 
 
 def _add_bench(sub):
+    from mini_moe.bench import PARTS
+
     p = sub.add_parser("bench", help="time routers, MoE layer vs dense MLP, Soft MoE vs E, training throughput")
     p.add_argument("--out", default="bench.json", help="JSON file to write")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per measurement")
-    p.add_argument("--only", default=None, choices=["routers", "layer", "soft_moe_experts", "training"],
-                   help="run one part only")
+    p.add_argument("--only", default=None, choices=list(PARTS), help="run one part only")
     p.set_defaults(func=_bench)
 
 
@@ -172,15 +179,12 @@ def _study(args):
     if args.steps is not None:
         overrides["steps"] = args.steps
     if args.steps is not None and args.minutes is not None:
-        raise SystemExit("error: give --steps or --minutes, not both.")
+        raise ValueError("give --steps or --minutes, not both.")
     out = pathlib.Path(args.out or f"runs/study-{args.dataset}")
     command = "python -m mini_moe " + " ".join(args.argv)
-    try:
-        results = study.run_study(out, dataset=args.dataset, routers=args.routers, capacities=args.capacities,
-                                  seeds=args.seeds, dense=not args.no_dense, scale=args.config,
-                                  minutes=args.minutes, command=command, **overrides)
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"error: {e}")
+    results = study.run_study(out, dataset=args.dataset, routers=args.routers, capacities=args.capacities,
+                              seeds=args.seeds, dense=not args.no_dense, scale=args.config,
+                              minutes=args.minutes, command=command, **overrides)
     for cost in ("train_seconds", "train_flops"):
         study.plot_study(results, cost=cost).savefig(out / f"accuracy_vs_{cost}.png", dpi=120, bbox_inches="tight")
     study.plot_curves(out, results).savefig(out / "training_curves.png", dpi=120)
@@ -205,7 +209,13 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv
-    args.func(args)
+    try:
+        args.func(args)
+    except USER_ERRORS as e:
+        if os.environ.get("MINI_MOE_TRACEBACK"):
+            raise
+        print(f"mini_moe: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,5 +1,7 @@
 """Benchmarks (``python -m mini_moe bench``): ratios measured side by side in one run.
 
+* ``routers`` — every router alone (logits, affinity, allocation: the routing tensors),
+  forward and forward + backward, at the quick model's layer shape.
 * ``layer`` — every router's MoE layer (router + experts + eq. 2), forward + backward,
   against a dense MLP with the same activated FLOPs (hidden H on every token; the MoE
   layer runs k = c = 1, i.e. about one expert of hidden H per token), at the quick
@@ -99,22 +101,49 @@ class _MoeLayer(nnx.Module):
         return layer_lib.moe(x, out.routing, self.experts) + out.aux_loss
 
 
-def moe_layer_ms(name: str, shape: str = "quick", *, repeats: int = 20, **router_kwargs) -> float:
-    """Forward + backward time (ms, median) of one MoE layer with router ``name`` at the
-    ``LAYER_SHAPES[shape]`` sizes: router + experts + eq. (2), ``groups`` routing groups of
-    ``images x tokens`` tokens (Soft MoE: one group per image, S = round(tokens / E) slots)."""
+def _router_and_tokens(name: str, shape: str, rngs: nnx.Rngs, **router_kwargs):
+    """Router ``name`` at the ``LAYER_SHAPES[shape]`` sizes and its input ``[G, T, D]``:
+    ``groups`` routing groups of ``images x tokens`` tokens (Soft MoE: one group per image,
+    S = round(tokens / E) slots)."""
     if shape not in LAYER_SHAPES:
         raise ValueError(f"shape must be one of {sorted(LAYER_SHAPES)}, got {shape!r}.")
-    per_group, tokens, groups, dim, hidden, experts = LAYER_SHAPES[shape]
-    rng = nnx.Rngs(0)
+    per_group, tokens, groups, dim, _, experts = LAYER_SHAPES[shape]
     if name == "soft_moe":
         router_kwargs.setdefault("slots_per_expert", max(1, round(tokens / experts)))
-    router = routers_lib.make_router(name, dim, experts, rngs=rng, **router_kwargs)
-    module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
+    router = routers_lib.make_router(name, dim, experts, rngs=rngs, **router_kwargs)
     x = jax.random.normal(jax.random.PRNGKey(0), (groups, per_group * tokens, dim))
     if name == "soft_moe":
         x = x.reshape(groups * per_group, tokens, dim)
+    return router, x
+
+
+def moe_layer_ms(name: str, shape: str = "quick", *, repeats: int = 20, **router_kwargs) -> float:
+    """Forward + backward time (ms, median) of one MoE layer with router ``name`` at the
+    ``LAYER_SHAPES[shape]`` sizes: router + experts + eq. (2)."""
+    rng = nnx.Rngs(0)
+    router, x = _router_and_tokens(name, shape, rng, **router_kwargs)
+    _, _, _, dim, hidden, experts = LAYER_SHAPES[shape]
+    module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
     return time_fn(_fwd_bwd(lambda m, x: m(x)), module, x, repeats=repeats)
+
+
+def _routing_output(router, x):
+    """A router's output as one array: its combine tensor plus its auxiliary loss."""
+    out = router(x)
+    return out.routing.combine + out.aux_loss
+
+
+def router_benchmarks(repeats: int, shape: str = "quick") -> list[dict]:
+    """Every router alone, forward and forward + backward (ms), at ``LAYER_SHAPES[shape]``."""
+    results = []
+    for name in sorted(routers_lib.ROUTERS):
+        router, x = _router_and_tokens(name, shape, nnx.Rngs(0))
+        forward = time_fn(nnx.jit(_routing_output), router, x, repeats=repeats)
+        both = time_fn(_fwd_bwd(_routing_output), router, x, repeats=repeats)
+        results.append({"shape": shape, "router": name, "forward_ms": round(forward, 3),
+                        "forward_backward_ms": round(both, 3)})
+        print(f"  router {shape:5s} {name:36s} {forward:9.2f} ms fwd {both:9.2f} ms fwd+bwd", flush=True)
+    return results
 
 
 def dense_mlp_ms(shape: str = "quick", *, repeats: int = 20) -> float:
@@ -189,15 +218,18 @@ def training_benchmarks(repeats: int) -> list[dict]:
     return results
 
 
+#: The parts of :func:`run`, in order; ``python -m mini_moe bench --only`` offers these names.
+PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks,
+         "soft_moe_experts": soft_moe_expert_benchmarks, "training": training_benchmarks}
+
+
 def run(repeats: int = 20, only: str | None = None) -> dict:
-    """Run the benchmarks (all, or ``only`` one part) and return a JSON-able dict."""
-    parts = {"layer": layer_benchmarks, "soft_moe_experts": soft_moe_expert_benchmarks,
-             "training": training_benchmarks}
-    if only is not None and only not in parts:
-        raise ValueError(f"only must be one of {sorted(parts)}, got {only!r}.")
+    """Run the benchmarks (all, or ``only`` one part of :data:`PARTS`) and return a JSON-able dict."""
+    if only is not None and only not in PARTS:
+        raise ValueError(f"only must be one of {list(PARTS)}, got {only!r}.")
     results = {"machine": machine(), "command": " ".join(["python -m mini_moe"] + sys.argv[1:]),
                "repeats": repeats}
-    for name, fn in parts.items():
+    for name, fn in PARTS.items():
         if only in (None, name):
             print(f"[{name}]", flush=True)
             results[name] = fn(repeats)
@@ -207,6 +239,9 @@ def run(repeats: int = 20, only: str | None = None) -> dict:
 def summary(results: dict) -> str:
     lines = [f"machine: {results['machine']['cpu']} ({results['machine']['cores']} cores, "
              f"{results['machine']['backend']})"]
+    for r in results.get("routers", []):
+        lines.append(f"router {r['shape']:5s} {r['router']:36s} {r['forward_ms']:9.2f} ms fwd "
+                     f"{r['forward_backward_ms']:9.2f} ms fwd+bwd")
     for r in results.get("layer", []):
         extra = f"  x{r['ratio_to_experts_only']:.2f} experts-only" if "ratio_to_experts_only" in r else ""
         lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense{extra}")

@@ -9,7 +9,8 @@
   corresponding patches, and how often their top-1 / top-2 / unordered top-2 experts match.
 * :func:`expert_maps` and :func:`plot_expert_maps` — which expert each patch went to.
 
-All functions put the model in eval mode (no router noise) and restore train mode.
+All functions run the model in eval mode (no router noise) and leave every module in the
+mode they found it in (train, eval, or a mix).
 """
 
 from __future__ import annotations
@@ -28,13 +29,21 @@ from mini_moe import parallel
 Array = Any
 
 
+_MODE_ATTRIBUTES = ("deterministic", "use_running_average")  # what model.train() / eval() set
+
+
 @contextlib.contextmanager
 def _eval_mode(model):
+    """Put ``model`` in eval mode for the block, then restore each module's own mode."""
+    saved = [(module, name, getattr(module, name))
+             for _, module in nnx.iter_graph(model) if isinstance(module, nnx.Module)
+             for name in _MODE_ATTRIBUTES if hasattr(module, name)]
     model.eval()
     try:
         yield model
     finally:
-        model.train()
+        for module, name, value in saved:
+            setattr(module, name, value)
 
 
 @nnx.jit(static_argnames=("return_routing",))

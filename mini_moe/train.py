@@ -10,7 +10,8 @@
 
 Resuming (``resume=True``, the default) continues from the newest checkpoint and ends
 with exactly the parameters of an uninterrupted run: the batch of step s depends only on
-(seed, s), and the router-noise RNG state is part of the checkpoint. A non-finite loss
+(seed, s), and the router-noise RNG state is part of the checkpoint. ``resume=False``
+starts a new run, replacing any run already in ``out_dir``. A non-finite loss
 stops training with a ``ValueError``; the newest checkpoint on disk is the last good one.
 """
 
@@ -20,6 +21,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import shutil
 import time
 from typing import Any
 
@@ -47,12 +49,38 @@ def make_model(cfg: TrainConfig) -> VisionMoE:
     return VisionMoE(cfg.model, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
 
 
+#: Parameters that weight decay applies to, by name: the weight matrices of linear maps.
+DECAYED_PARAMS = ("kernel", "w1", "w2")
+
+
+def weight_decay_mask(params):
+    """``params`` with each leaf replaced by True where weight decay applies.
+
+    The rule is by role, as in big_vision (``.*/kernel$``): only the weight matrices of
+    linear maps are decayed: every ``kernel`` (patch embedding, attention, dense MLPs, the
+    sparse routers' W, the head) and the experts' ``w1 [E, D, H]`` and ``w2 [E, H, D]``.
+    Not decayed: biases (also the experts' ``b1``, ``b2 [E, 1, H]``), LayerNorm scales and
+    biases, the position embedding ``pos [1, N, D]`` and Soft MoE's ``phi`` (used only
+    after l2 normalisation) and ``scale``. (nanoGPT's rule, ndim >= 2, would decay ``pos``
+    and the expert biases.)
+    """
+
+    def decayed(path, _):
+        keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        name = keys[-2] if keys[-1] == "value" else keys[-1]  # a Variable's array is its .value
+        return name in DECAYED_PARAMS
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
+
+
 def make_optimizer(model: VisionMoE, cfg: TrainConfig) -> nnx.Optimizer:
-    """AdamW on a linear-warmup + cosine schedule, with global-norm clipping."""
+    """AdamW on a linear-warmup + cosine schedule, with global-norm clipping; weight decay
+    on the weight matrices only (:func:`weight_decay_mask`)."""
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps, end_value=cfg.learning_rate * 0.01
     )
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.adamw(schedule, weight_decay=cfg.weight_decay))
+    adamw = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=weight_decay_mask)
+    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
@@ -126,7 +154,13 @@ def _state(model, optimizer):
 
 
 def save_checkpoint(manager, step: int, model, optimizer) -> None:
-    manager.save(step, args=ocp.args.StandardSave(_state(model, optimizer)))
+    """Save model and optimizer as checkpoint ``step``; raises ``RuntimeError`` if Orbax
+    does not save it (it skips a step at or below the newest one in the folder)."""
+    if not manager.save(step, args=ocp.args.StandardSave(_state(model, optimizer))):
+        raise RuntimeError(
+            f"checkpoint step {step} was not saved: {manager.directory} already holds step "
+            f"{manager.latest_step()}. Train into an empty folder, or with resume=False to replace the run."
+        )
     manager.wait_until_finished()
 
 
@@ -244,30 +278,34 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     Args:
       cfg: the run's configuration.
       out_dir: folder for config, checkpoints and history.
-      resume: continue from the newest checkpoint in ``out_dir`` if there is one.
+      resume: True: continue from the newest checkpoint in ``out_dir`` if there is one.
+        False: start a new run, replacing any run already in ``out_dir`` (once the data
+        and model are ready, its checkpoints and history are deleted, its config replaced).
       progress: show a progress bar.
       datasets: optional ``(train, test)`` already loaded and standardised.
     """
     out_dir = pathlib.Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / "config.json"
+    history_path = out_dir / "history.json"
     if resume and config_path.exists():
         saved = json.loads(config_path.read_text())
         if saved != json.loads(json.dumps(config_to_json(cfg))):
             raise ValueError(
                 f"{out_dir} holds a run with a different configuration; use another out_dir or resume=False."
             )
-    config_path.write_text(json.dumps(config_to_json(cfg), indent=2))
     train_ds, test_ds = datasets if datasets is not None else load_data(cfg)
-
-    model = make_model(cfg)
+    model = make_model(cfg)  # data and model first: a failed start leaves out_dir untouched
     optimizer = make_optimizer(model, cfg)
+    if not resume:  # a new run: nothing of a previous one may survive (Orbax keeps newer steps)
+        shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
+        history_path.unlink(missing_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(json.dumps(config_to_json(cfg), indent=2))
     mesh = None
     if cfg.mesh is not None:  # experts sharded over the devices, the batch split over all of them
         mesh = parallel.make_mesh(*cfg.mesh)
         parallel.shard_model(model, mesh, optimizer)
     manager = _manager(out_dir)
-    history_path = out_dir / "history.json"
     history = {"train": [], "eval": [], "seconds": 0.0}
     start = 0
     if resume and manager.latest_step() is not None:

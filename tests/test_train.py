@@ -291,8 +291,9 @@ def test_cli_train_and_evaluate(tmp_path, capsys):
     result = json.loads((out / "evaluation.json").read_text())
     assert {"test_accuracy", "10_shot_accuracy", "routers", "stability"} <= set(result)
     assert (out / "expert_maps.png").exists()
-    with pytest.raises(SystemExit, match="Unknown config field"):
-        cli.main(["train", "--dataset", "digits", "--set", "nonsense=1", "--out", str(tmp_path / "x")])
+    capsys.readouterr()
+    assert cli.main(["train", "--dataset", "digits", "--set", "nonsense=1", "--out", str(tmp_path / "x")]) == 2
+    assert "Unknown config field" in capsys.readouterr().err
 
 
 def test_minutes_budget_sizes_the_schedule_and_resume_keeps_it(tmp_path, digits, monkeypatch):
@@ -409,3 +410,101 @@ def test_study_compare_is_paired_over_seed_and_capacity():
     assert grouped["difference"] == pytest.approx(((0.80 - 0.72) + (0.90 - 0.87)) / 2)
     with pytest.raises(ValueError, match="No \\(seed, capacity\\)"):
         study.compare(cells, "a", "b", capacities=[2])
+
+
+# ------------------------------------------------- fresh runs, weight decay, eval mode
+
+
+def test_resume_false_replaces_the_run_in_out_dir(tmp_path, digits):
+    """The chapters' pattern: train(cfg, out, resume=False) then load_trained(out). A second,
+    shorter run with another seed and learning rate must replace the first one entirely."""
+    train.train(_cfg(), tmp_path / "run", progress=False, datasets=digits)  # 6 steps, checkpoint at 6
+    new = _cfg(steps=3, eval_every=3, checkpoint_every=3, seed=1, learning_rate=3e-3)
+    history = train.train(new, tmp_path / "run", resume=False, progress=False, datasets=digits)
+    train.train(new, tmp_path / "reference", progress=False, datasets=digits)  # the same run, fresh folder
+    loaded, cfg = train.load_trained(tmp_path / "run")
+    reference, _ = train.load_trained(tmp_path / "reference")
+    assert cfg == new
+    for a, b in zip(_params(loaded), _params(reference), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert train._manager(tmp_path / "run").all_steps() == [3]  # the old step-6 checkpoint is gone
+    saved = json.loads((tmp_path / "run" / "history.json").read_text())
+    assert [r["step"] for r in saved["eval"]] == [r["step"] for r in history["eval"]] == [3]
+    assert evaluate.accuracy(loaded, digits[1]) == pytest.approx(history["eval"][-1]["test_accuracy"])
+
+
+def test_save_checkpoint_raises_when_the_step_is_not_saved(tmp_path):
+    cfg = _cfg()
+    model = train.make_model(cfg)
+    optimizer = train.make_optimizer(model, cfg)
+    manager = train._manager(tmp_path)
+    train.save_checkpoint(manager, 5, model, optimizer)
+    with pytest.raises(RuntimeError, match="step 3"):  # Orbax skips a step at or below its latest
+        train.save_checkpoint(manager, 3, model, optimizer)
+    assert manager.all_steps() == [5]
+
+
+def _path_names(model, leaves):
+    paths = jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+    return {"/".join(str(getattr(k, "key", "")) for k in path if hasattr(k, "key")): x
+            for (path, _), x in zip(paths, leaves, strict=True)}
+
+
+@pytest.mark.parametrize("router", ["soft_moe", "softmax_token_choice"])
+def test_weight_decay_only_on_weight_matrices(router):
+    """One AdamW update with zero gradients moves only the decayed parameters, each by
+    exactly -lr * weight_decay * param (decoupled decay); everything else stays put."""
+    lr, wd = 0.01, 0.1
+    cfg = _cfg(router=router, learning_rate=lr, weight_decay=wd, warmup_steps=0)  # lr(step 0) = lr
+    model = train.make_model(cfg)
+    nnx.update(model, jax.tree.map(lambda p: p + 0.5, nnx.state(model, nnx.Param)))  # no zeros (head, biases)
+    optimizer = train.make_optimizer(model, cfg)
+    before = _path_names(model, _params(model))
+    optimizer.update(model, jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param)))
+    after = _path_names(model, _params(model))
+    decayed = {name for name in before if not np.array_equal(before[name], after[name])}
+    for name in decayed:
+        np.testing.assert_allclose(after[name], before[name] * (1 - lr * wd), rtol=1e-6, atol=1e-9)
+    expected = {"embed/kernel", "head/kernel"}
+    for i in range(2):
+        expected |= {f"blocks/{i}/attn/{p}/kernel" for p in ("query", "key", "value", "out")}
+        moe = i == 1 or router == "soft_moe"  # Soft MoE: last2; token choice: every2 (block 1)
+        expected |= ({f"blocks/{i}/mlp/experts/w1", f"blocks/{i}/mlp/experts/w2"} if moe
+                     else {f"blocks/{i}/mlp/fc1/kernel", f"blocks/{i}/mlp/fc2/kernel"})
+        if moe and router != "soft_moe":
+            expected.add(f"blocks/{i}/mlp/router/dense/kernel")  # the router's W
+    assert decayed == expected, (sorted(decayed - expected), sorted(expected - decayed))
+    kept = set(before) - decayed
+    assert {"pos", "norm/scale", "norm/bias", "head/bias", "blocks/1/mlp/experts/b1"} <= kept
+    if router == "soft_moe":
+        assert {"blocks/0/mlp/router/scale", "blocks/0/mlp/router/phi"} <= kept
+
+
+def _modes(model) -> dict:
+    return {path: (m.deterministic, getattr(m, "use_running_average", None))
+            for path, m in nnx.iter_graph(model) if isinstance(m, nnx.Module) and hasattr(m, "deterministic")}
+
+
+_EVAL_HELPERS = {
+    "features": lambda m, tr, te: evaluate.features(m, te.images[:16]),
+    "accuracy": lambda m, tr, te: evaluate.accuracy(m, te),
+    "few_shot_accuracy": lambda m, tr, te: evaluate.few_shot_accuracy(m, tr, te, shots=2, max_test=16),
+    "router_report": lambda m, tr, te: evaluate.router_report(m, te.images[:16]),
+    "expert_maps": lambda m, tr, te: evaluate.expert_maps(m, te.images[:8]),
+    "routing_stability": lambda m, tr, te: evaluate.routing_stability(m, te.images[:16]),
+}
+
+
+@pytest.mark.parametrize("mode", ["eval", "train", "as_built"])
+@pytest.mark.parametrize("helper", sorted(_EVAL_HELPERS))
+def test_evaluation_helpers_leave_the_model_mode_as_they_found_it(digits, helper, mode):
+    model = train.make_model(_cfg(model_router_kwargs={"k": 2}))  # noisy router in training mode
+    if mode != "as_built":  # as built: the router is noisy, attention deterministic (mixed)
+        getattr(model, mode)()
+    modes = _modes(model)
+    assert any(path[-1] == "router" for path in modes)  # the noisy router is among them
+    _EVAL_HELPERS[helper](model, *digits)
+    assert _modes(model) == modes
+    if mode == "eval":  # still no router noise: the same input gives the same output
+        images = jnp.asarray(digits[1].images[:8])
+        np.testing.assert_array_equal(np.asarray(model(images).logits), np.asarray(model(images).logits))

@@ -1,0 +1,77 @@
+"""The command line: every offered ``bench --only`` part runs, and user errors end in a
+one-line message and a non-zero exit status, never a traceback."""
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from mini_moe import __main__ as cli
+from mini_moe import bench
+
+
+def _offered_bench_parts(capsys) -> list[str]:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    return re.search(r"--only \{([^}]*)\}", capsys.readouterr().out).group(1).split(",")
+
+
+def test_every_offered_bench_part_runs(tmp_path, capsys, monkeypatch):
+    parts = _offered_bench_parts(capsys)
+    assert parts == list(bench.PARTS) and "routers" in parts
+    ran = []
+    for part in parts:  # the dispatch and the CLI; the parts themselves are too slow to run here
+        monkeypatch.setitem(bench.PARTS, part, functools.partial(lambda repeats, part: ran.append(part) or [], part=part))
+    for part in parts:
+        out = tmp_path / f"{part}.json"
+        assert cli.main(["bench", "--only", part, "--repeats", "1", "--out", str(out)]) == 0
+        assert ran[-1] == part and part in json.loads(out.read_text())
+    assert ran == parts
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_bench_routers_times_every_router_forward_and_backward(monkeypatch):
+    from mini_moe.routers import ROUTERS
+
+    monkeypatch.setattr(bench, "time_fn", lambda fn, *args, repeats=20: 2.0)  # no compilation, no timing
+    rows = bench.run(repeats=1, only="routers")["routers"]
+    assert sorted(r["router"] for r in rows) == sorted(ROUTERS)
+    assert all(r["forward_ms"] == 2.0 and r["forward_backward_ms"] == 2.0 for r in rows)
+
+
+def _run_cli(args, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", TFDS_DATA_DIR=str(tmp_path / "tfds"),
+               # offline: any download attempt is refused at once instead of hanging
+               HTTP_PROXY="http://127.0.0.1:9", HTTPS_PROXY="http://127.0.0.1:9", NO_PROXY="",
+               http_proxy="http://127.0.0.1:9", https_proxy="http://127.0.0.1:9", no_proxy="")
+    (tmp_path / "tfds").mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "mini_moe", "train", "--out", str(tmp_path / "run"),
+                           "--steps", "2", *args], capture_output=True, text=True, env=env, timeout=240)
+
+
+@pytest.mark.parametrize("args, names", [
+    (["--dataset", "mnist"], ["--dataset", "mnist"]),
+    (["--dataset", "cifar10", "--data-dir", "EMPTY"], ["cifar10", "data_dir"]),
+    (["--dataset", "digits", "--set", "model_patch_size=3"], ["image_size=8", "patch_size=3"]),
+    (["--dataset", "digits", "--router", "softmax_token_choice", "--set", "model_num_experts=4",
+      "--set", "model_router_kwargs={'k': 9}"], ["k=9", "num_experts=4"]),
+])
+def test_cli_user_errors_print_a_message_not_a_traceback(tmp_path, args, names):
+    args = [str(tmp_path / "tfds") if a == "EMPTY" else a for a in args]
+    proc = _run_cli(args, tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+    last = proc.stderr.strip().splitlines()
+    assert "error:" in proc.stderr and all(name in proc.stderr for name in names), proc.stderr
+    assert len(last) <= 12  # a message, not pages of internals
+
+
+def test_cli_main_returns_2_on_a_user_error(tmp_path, capsys):
+    code = cli.main(["train", "--dataset", "digits", "--set", "nonsense=1", "--out", str(tmp_path / "x")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mini_moe: error: Unknown config field 'nonsense'")
