@@ -66,6 +66,7 @@ browser-check: venv data chromium
 	$(PY) .ci/browser_check.py
 
 sync: venv
+	$(PY) .ci/notebooks.py install
 	$(VENV)/bin/jupytext --sync $(CHAPTERS_MD)
 	$(PY) .ci/notebooks.py strip
 

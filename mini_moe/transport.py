@@ -51,8 +51,9 @@ def sinkhorn(logits: Array, *, num_iters: int, epsilon: float = 1.0) -> Array:
     """Entropic optimal transport plan of paper 000, eq. (8), by log-domain Sinkhorn.
 
     ``P = argmax <P, logits> - epsilon <P, log P>`` subject to ``P 1_E = 1_T`` and
-    ``P^T 1_T = (T/E) 1_E``. The solution is ``P[t, r] = exp((logits[t, r] + f[t] +
-    g[r]) / epsilon)``; each iteration sets f so rows sum to 1, then g so columns sum to
+    ``P^T 1_T = (T/E) 1_E``. The solution is ``P[t, r] = exp(logits[t, r] / epsilon + f[t]
+    + g[r])`` (f = log u, g = log v of the kernel form ``diag(u) exp(logits / epsilon)
+    diag(v)``); each iteration sets f so rows sum to 1, then g so columns sum to
     T/E (the expert marginal is exact on return, the token marginal approaches 1).
     Working with ``logsumexp`` keeps it finite for logits of any size, where the
     multiplicative version underflows to zero rows once ``|logits| / epsilon`` is large.
