@@ -346,7 +346,9 @@ def build_slice(workdir: Path) -> Path:
           - file: book/references
         """))
     jb = Path(sys.executable).parent / "jupyter-book"
-    cmd = [str(jb if jb.exists() else "jupyter-book"), "build", str(src), "--path-output", str(workdir)]
+    # -W -n as in `make book`: a warning (an unknown glue key, a broken reference) fails the slice too
+    cmd = [str(jb if jb.exists() else "jupyter-book"), "build", str(src), "--path-output", str(workdir),
+           "-W", "-n", "--keep-going"]
     print("browser check: building a slice of the book:", " ".join(cmd), flush=True)
     t0 = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True)
