@@ -4,6 +4,7 @@
 #   make test   unit tests, every chapter under nbval, the notebook-pair checks, the workflow
 #               lint and the offline browser check of a built slice of the book
 #   make sync   after editing book/NN_topic.md: update its .ipynb twin (outputs stripped)
+#   make floors the unit tests with the lowest jax/flax/optax/orbax/numpy pyproject.toml allows
 #
 # Everything runs inside a virtual environment in .venv, created on first use from
 # pyproject.toml (needs network access to PyPI only).
@@ -15,7 +16,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data book test unit nbval check-notebooks sync clean chromium browser-check lint-workflows
+.PHONY: venv data book test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows
 
 venv: $(STAMP)
 
@@ -42,6 +43,26 @@ test: check-notebooks lint-workflows unit nbval browser-check
 
 unit: venv data
 	$(PY) -m pytest tests
+
+# The declared floors, tested: a second venv with exactly the lowest jax (+ same jaxlib), flax,
+# optax, orbax-checkpoint and numpy that pyproject.toml's `dependencies` allow (.ci/floors.py
+# turns their `>=` into `==` constraints), the package with its test extra, and the unit tests
+# on all cores (pytest-xdist: 1.6x faster on 2 cores). .ci/run deselects a few slow tests.
+FLOORS_VENV ?= .venv-floors
+FLOORS_PY := $(FLOORS_VENV)/bin/python
+FLOORS_STAMP := $(FLOORS_VENV)/.mini_moe-installed
+FLOORS_PYTEST_ARGS ?= -n auto
+
+$(FLOORS_STAMP): pyproject.toml .ci/floors.py
+	test -x $(FLOORS_PY) || $(PYTHON) -m venv $(FLOORS_VENV)
+	$(PYTHON) .ci/floors.py > $(FLOORS_VENV)/constraints.txt
+	$(FLOORS_PY) -m pip install --upgrade pip
+	$(FLOORS_PY) -m pip install -c $(FLOORS_VENV)/constraints.txt -e '.[test]' pytest-xdist
+	touch $(FLOORS_STAMP)
+
+floors: $(FLOORS_STAMP) data
+	$(FLOORS_PY) .ci/floors.py --check
+	$(FLOORS_PY) -m pytest tests $(FLOORS_PYTEST_ARGS)
 
 # --nbval-current-env runs the chapters with the kernel of this venv.
 nbval: venv data
