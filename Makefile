@@ -41,8 +41,9 @@ book: venv data
 
 test: check-notebooks lint-workflows unit nbval browser-check
 
+# pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores).
 unit: venv data
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n auto tests
 
 # The declared floors, tested: a second venv with exactly the lowest jax (+ same jaxlib), flax,
 # optax, orbax-checkpoint and numpy that pyproject.toml's `dependencies` allow (.ci/floors.py
@@ -57,7 +58,7 @@ $(FLOORS_STAMP): pyproject.toml .ci/floors.py
 	test -x $(FLOORS_PY) || $(PYTHON) -m venv $(FLOORS_VENV)
 	$(PYTHON) .ci/floors.py > $(FLOORS_VENV)/constraints.txt
 	$(FLOORS_PY) -m pip install --upgrade pip
-	$(FLOORS_PY) -m pip install -c $(FLOORS_VENV)/constraints.txt -e '.[test]' pytest-xdist
+	$(FLOORS_PY) -m pip install -c $(FLOORS_VENV)/constraints.txt -e '.[test]'
 	touch $(FLOORS_STAMP)
 
 floors: $(FLOORS_STAMP) data
