@@ -50,19 +50,12 @@ GLUE_CALL = re.compile(r"\bglue\(\s*(f?)\"([^\"]+)\"")
 
 
 def floors() -> dict[str, str]:
-    """The lowest allowed versions of FLOOR_PACKAGES, from pyproject.toml's dependencies."""
-    import tomllib
+    """The lowest allowed versions of FLOOR_PACKAGES, read by .ci/floors.py from pyproject.toml."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from floors import floors as declared_floors  # .ci/floors.py: the one reader of the floors
 
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    found = {}
-    for dep in deps:
-        match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9][0-9a-zA-Z.]*)\s*(,.*)?", dep)
-        if match and match.group(1).lower() in FLOOR_PACKAGES:
-            found[match.group(1).lower()] = match.group(2)
-    missing = set(FLOOR_PACKAGES) - set(found)
-    if missing:
-        raise SystemExit(f"pyproject.toml must declare a floor 'name>=X' for {sorted(missing)}")
-    return {name: found[name] for name in FLOOR_PACKAGES}
+    pins = declared_floors(ROOT / "pyproject.toml")
+    return {name: pins[name] for name in FLOOR_PACKAGES}
 
 
 def install_cell() -> str:
