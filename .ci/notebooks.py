@@ -112,7 +112,7 @@ def _install_code_cell(md_text: str):
 
 
 def write_install_cells() -> list[Path]:
-    """Replace the first code cell of every chapter .md by install_cell(); the changed files."""
+    """Replace every chapter's install cell by install_cell(); the changed files."""
     cell, changed = install_cell(), []
     for md in chapters():
         text = md.read_text()
@@ -159,6 +159,7 @@ def check() -> list[str]:
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     excluded = set(config.get("exclude_patterns", []))
     toc_text = (ROOT / "_toc.yml").read_text()
+    cell = install_cell()
     for md in chapters():
         rel_md = md.relative_to(ROOT).as_posix()
         ipynb = md.with_suffix(".ipynb")
@@ -176,7 +177,7 @@ def check() -> list[str]:
             problems.append(f"{rel_nb} is not in _toc.yml")
         md_text = md.read_text()
         first = _install_code_cell(md_text)
-        if first is None or first.group(1).rstrip("\n") != install_cell():
+        if first is None or first.group(1).rstrip("\n") != cell:
             problems.append(f"{rel_md}: its install cell (first or second code cell) is not the generated one: "
                             "run `make sync`")
         for key in unglued(md_text):
