@@ -148,25 +148,30 @@ def _bench(args):
 
 def _add_study(sub):
     p = sub.add_parser(
-        "study", help="train every router at capacity 1 and 2 (and the dense ViT) for several seeds; "
-        "results.json + figures", description="The router study of paper 000 at small scale. Routers: "
-        + ", ".join(sorted(ROUTERS)) + ". Datasets: " + ", ".join(data_lib.DATASETS)
-        + ". Resumable: run the same command again to continue.",
+        "study", help="train every router at capacity factors 0.5, 1, 2 (and the dense ViT) for several "
+        "seeds; results.json + figures", description="The router study of paper 000 at small scale, every "
+        "router in the Every-2 placement. Routers: " + ", ".join(sorted(ROUTERS)) + ". Datasets: "
+        + ", ".join(data_lib.DATASETS) + ". Resumable: run the same command again to continue.",
     )
     p.add_argument("--dataset", default="fashion_mnist", choices=data_lib.DATASETS)
     p.add_argument("--config", default=None, choices=["quick", "full"], help="scale preset (default: by backend)")
-    from mini_moe.study import STUDY_ROUTERS, VARIANTS
+    from mini_moe.study import CAPACITIES, STUDY_ROUTERS, VARIANTS
 
     p.add_argument("--routers", nargs="+", default=None, choices=STUDY_ROUTERS, metavar="ROUTER",
-                   help="routers to train (default: all, and the Figure 3 ablation "
-                   + ", ".join(VARIANTS) + ")")
-    p.add_argument("--capacities", nargs="+", type=int, default=[1, 2], help="k for token choice, c otherwise")
+                   help="routers to train (default: every router; the Figure 3 ablation "
+                   + ", ".join(VARIANTS) + " on request)")
+    p.add_argument("--capacities", nargs="+", type=float, default=list(CAPACITIES),
+                   help="capacity factors c: every expert gets C = round(c T / E) slots (Token Choice: k = 1 for "
+                   "c <= 1, k = c above)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--no-dense", action="store_true", help="skip the dense ViT baseline")
     p.add_argument("--steps", type=int, default=None, help="training steps per cell (overrides the preset)")
     p.add_argument("--minutes", type=float, default=None,
                    help="training-time budget per cell; the schedule is sized to it (instead of --steps)")
     p.add_argument("--out", default=None, help="study folder (default: runs/study-DATASET)")
+    p.add_argument("--done", default=None, metavar="RESULTS_JSON",
+                   help="results.json of an earlier run of this study (e.g. the committed one): its cells count "
+                   "as finished")
     p.add_argument("--set", dest="overrides", type=_parse_override, action="append", default=[],
                    metavar="KEY=VALUE", help="config override for every cell (repeatable)")
     p.set_defaults(func=_study)
@@ -184,7 +189,7 @@ def _study(args):
     command = "python -m mini_moe " + " ".join(args.argv)
     results = study.run_study(out, dataset=args.dataset, routers=args.routers, capacities=args.capacities,
                               seeds=args.seeds, dense=not args.no_dense, scale=args.config,
-                              minutes=args.minutes, command=command, **overrides)
+                              minutes=args.minutes, command=command, done=args.done, **overrides)
     for cost in ("train_seconds", "train_flops"):
         study.plot_study(results, cost=cost).savefig(out / f"accuracy_vs_{cost}.png", dpi=120, bbox_inches="tight")
     study.plot_curves(out, results).savefig(out / "training_curves.png", dpi=120)

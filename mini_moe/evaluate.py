@@ -7,6 +7,8 @@
   the rest of each patch's expert distribution; paper 004 Table 5).
 * :func:`routing_stability` — paper 004 Table 4: two augmented views of each image,
   corresponding patches, and how often their top-1 / top-2 / unordered top-2 experts match.
+* :func:`mechanisms` — what decides accuracy between routers: dropped and unprocessed tokens,
+  experts per token, load balance, batch dependence and routing stability, per MoE layer.
 * :func:`expert_maps` and :func:`plot_expert_maps` — which expert each patch went to.
 
 All functions run the model in eval mode (no router noise) and leave every module in the
@@ -156,6 +158,79 @@ def router_report(model, images: np.ndarray, *, batch_size: int = 256) -> list[d
         entry["confidence"] = _confidence(layer_probs)
         report.append(entry)
     return report
+
+
+def _cv(counts: np.ndarray) -> float:
+    """Coefficient of variation (population std / mean) of per-expert counts; 0 if all zero."""
+    mean = counts.mean()
+    return float(counts.std() / mean) if mean > 0 else 0.0
+
+
+def predictions_and_routing(model, images: np.ndarray, *, batch_size: int = 400):
+    """Predicted classes ``[N]`` and, per MoE layer, ``(hits [N, P, E], top1 [N, P])``: whether
+    expert e processes patch p of image n (any slot, any weight > 0), and the expert with the
+    largest router probability (the router's own choice, before any capacity)."""
+    cfg = model.cfg
+    preds, layers = [], None
+    with _eval_mode(model):
+        for batch, n in _padded_batches(model, images, batch_size):
+            out = _forward(model, batch, return_routing=True)
+            preds.append(np.asarray(out.logits[:n]).argmax(-1))
+            per_layer = []
+            for rt, probs in zip(out.routings, out.probs):
+                hits = (np.asarray(rt.dispatch) > 0).any(-1)  # [groups, T, E]
+                hits = hits.reshape(-1, cfg.num_patches, cfg.num_experts)[:n]
+                per_layer.append((hits, np.asarray(probs[:n]).argmax(-1)))
+            layers = [[x] for x in per_layer] if layers is None else [acc + [x] for acc, x in zip(layers, per_layer)]
+    layers = [(np.concatenate([h for h, _ in acc]), np.concatenate([t for _, t in acc])) for acc in (layers or [])]
+    return np.concatenate(preds), layers
+
+
+def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 400,
+               stability_images: int = 2000) -> dict:
+    """The mechanisms behind accuracy differences between routers, measured on ``images``.
+
+    Returns ``{"batch_dependence": float, "layers": [one dict per MoE layer]}``:
+
+    * ``batch_dependence``: the fraction of predictions that change when each image's routing
+      group is refilled with other images (the images are evaluated in their order and again in
+      a seeded random order). 0 for Soft MoE and the dense ViT, which see one image at a time.
+    * per layer, over all patches of all images:
+
+      - ``unprocessed``: fraction of tokens that no expert processes (their MoE output is 0);
+      - ``dropped_routes``: Token Choice only (else None): fraction of the ``k`` experts each
+        token asked for that had no room for it, ``1 - experts_per_token / k``;
+      - ``experts_per_token``: mean number of experts that process a token (Soft MoE: every
+        expert sees every token with some weight, so E);
+      - ``load_cv``: coefficient of variation over experts of how many tokens pick each expert
+        as their top-1 (the router's own balance, before capacity; what auxiliary losses target);
+      - ``processed_cv``: the same for the tokens each expert processes (0 for Expert Choice:
+        every expert fills its C slots);
+      - ``stability_top1``, ``stability_top2``: paper 004 Table 4's match ratios of the top-1 and
+        ordered top-2 experts of corresponding patches in two augmented views
+        (:func:`routing_stability`, on the first ``stability_images`` images).
+    """
+    cfg = model.cfg
+    preds, layers = predictions_and_routing(model, images, batch_size=batch_size)
+    order = np.random.default_rng(seed).permutation(len(images))
+    shuffled = np.empty_like(preds)
+    shuffled[order] = predictions_and_routing(model, images[order], batch_size=batch_size)[0]
+    stability = routing_stability(model, images[:stability_images], seed=seed) if layers else []
+    routers = [block.mlp.router for block in model.blocks if block.use_moe]
+    out = []
+    for (hits, top1), router, stable in zip(layers, routers, stability):
+        per_token = hits.sum(-1)
+        k = getattr(router, "k", None)
+        out.append({
+            "unprocessed": float(np.mean(per_token == 0)),
+            "dropped_routes": None if k is None else float(1 - per_token.mean() / k),
+            "experts_per_token": float(per_token.mean()),
+            "load_cv": _cv(np.bincount(top1.ravel(), minlength=cfg.num_experts).astype(float)),
+            "processed_cv": _cv(hits.sum((0, 1)).astype(float)),
+            "stability_top1": float(stable["top1"]),
+            "stability_top2": float(stable["top2"]),
+        })
+    return {"batch_dependence": float(np.mean(preds != shuffled)), "layers": out}
 
 
 def expert_maps(model, images: np.ndarray) -> np.ndarray:

@@ -1,13 +1,23 @@
 """The router study (paper 000, Section 3) at a scale you can rerun: ``python -m mini_moe study``.
 
-Trains every router at capacity 1 and 2 (``k`` for Token Choice, the capacity factor ``c``
-for Expert Choice, ``c * round(T/E)`` slots per expert for Soft MoE) and the dense ViT,
-for several seeds, then evaluates test accuracy, 10-shot accuracy and training cost (seconds
-of training and XLA's FLOP count of one step). Each cell trains into its own folder under
-``out_dir`` and leaves a ``result.json``; a study that is cut short and started again skips
-finished cells and resumes an interrupted one from its checkpoint. ``results.json`` (all
-cells plus mean and standard deviation per router and capacity) is rewritten after every
-cell.
+Every router sits in one architecture (V-MoE's Every-2 placement, paper 000 Sec. 3.1, Soft
+MoE included) and is trained at the capacity factors ``c`` of a sweep (default 0.5, 1, 2),
+next to the dense ViT of equal activated FLOPs. ``c`` sets each expert's buffer
+``C = round(c T / E)`` for every router (:func:`capacity_options`): Token Choice routes
+``k = 1`` expert per token for ``c <= 1`` and ``k = c`` above, Expert Choice takes ``C``
+tokens per expert, Soft MoE has ``C`` slots per expert (T: the tokens one router call sees).
+
+For every cell the study records test accuracy, 10-shot accuracy, training cost (seconds and
+XLA's FLOP count of one step) and the mechanisms of :func:`mini_moe.evaluate.mechanisms`
+(dropped and unprocessed tokens, experts per token, load balance, batch dependence, routing
+stability). Each cell trains into its own folder under ``out_dir`` and leaves a
+``result.json``; a study that is cut short and started again skips finished cells and
+resumes an interrupted one from its checkpoint. ``results.json`` (all cells plus mean and
+standard deviation per router and capacity) is rewritten after every cell.
+
+The statistics are paired over seeds (:func:`paired_t`, :func:`compare`), corrected for the
+number of comparisons (:func:`holm`), planned with :func:`seeds_for_power`, and paper 000's
+"allocation matters more than affinity" is tested by :func:`allocation_vs_affinity`.
 """
 
 from __future__ import annotations
@@ -28,46 +38,90 @@ from flax import nnx
 
 from mini_moe import config as config_lib
 from mini_moe import evaluate, train
+from mini_moe import routing as routing_lib
 from mini_moe.routers import ROUTERS
 
-# Which router option the capacity sets (paper 000: k = 1, 2 and c = 1, 2).
-CAPACITY_OPTION = {
-    "softmax_token_choice": "k",
-    "sinkhorn_token_choice": "k",
-    "svmoe": "k",
-    "softmax_expert_choice": "capacity_factor",
-    "sinkhorn_expert_choice": "capacity_factor",
-    "sparsity_constrained_expert_choice": "capacity_factor",
-    "soft_moe": "slots_per_expert",
+# How the capacity factor c reaches each router: "token" (Algorithm 1: k and the buffer),
+# "expert" (Algorithm 2: the capacity factor), "soft" (Soft MoE: slots per expert).
+ALLOCATION = {
+    "softmax_token_choice": "token",
+    "sinkhorn_token_choice": "token",
+    "svmoe": "token",
+    "softmax_expert_choice": "expert",
+    "sinkhorn_expert_choice": "expert",
+    "sparsity_constrained_expert_choice": "expert",
+    "soft_moe": "soft",
 }
-assert set(CAPACITY_OPTION) == set(ROUTERS), "every router needs a capacity option"
+assert set(ALLOCATION) == set(ROUTERS), "every router needs an allocation kind"
+
+# Paper 000's routers as affinity x allocation: pairs that differ only in the affinity, and
+# pairs that differ only in the allocation (the test of :func:`allocation_vs_affinity`).
+AFFINITY_PAIRS = (
+    ("softmax_token_choice", "sinkhorn_token_choice"), ("softmax_token_choice", "svmoe"),
+    ("sinkhorn_token_choice", "svmoe"),
+    ("softmax_expert_choice", "sinkhorn_expert_choice"),
+    ("softmax_expert_choice", "sparsity_constrained_expert_choice"),
+    ("sinkhorn_expert_choice", "sparsity_constrained_expert_choice"),
+)
+ALLOCATION_PAIRS = (
+    ("softmax_token_choice", "softmax_expert_choice"), ("sinkhorn_token_choice", "sinkhorn_expert_choice"),
+)
 
 # Paper 000, Figure 3: Sinkhorn Token Choice whose combine weights come from the transport
 # plan instead of the softmax. A study trains it next to the routers: variant -> (router, options).
 VARIANTS = {"sinkhorn_token_choice_plan_combine": ("sinkhorn_token_choice", {"softmax_combine": False})}
 STUDY_ROUTERS = sorted(ROUTERS) + sorted(VARIANTS)
+CAPACITIES = (0.5, 1.0, 2.0)  # paper 002's sweep; paper 000 uses c = 1, 2
 
 
-def cell_name(router: str | None, capacity: int, seed: int) -> str:
-    return f"dense-s{seed}" if router is None else f"{router}-c{capacity}-s{seed}"
+def cell_name(router: str | None, capacity: float, seed: int) -> str:
+    """``"dense-s3"``, ``"softmax_token_choice-c0.5-s3"``, ``"soft_moe-c2-s3"``."""
+    return f"dense-s{seed}" if router is None else f"{router}-c{capacity:g}-s{seed}"
 
 
-def cell_config(router: str | None, capacity: int, seed: int, *, dataset: str, scale: str | None = None,
+def check_capacity(capacity) -> float:
+    """The capacity factor as a float; a clear error unless it is 0.5, 1, or a larger integer
+    (Token Choice needs ``k = c`` experts per token above 1)."""
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not capacity > 0:
+        raise ValueError(f"capacity must be a number > 0, got {capacity!r}.")
+    if capacity > 1 and capacity != int(capacity):
+        raise ValueError(f"capacity above 1 must be an integer (Token Choice uses k = c), got {capacity!r}.")
+    return float(capacity)
+
+
+def capacity_options(router: str, capacity: float, *, tokens: int, num_experts: int) -> dict:
+    """The router options that give every expert ``C = round(c T / E)`` slots.
+
+    Token Choice (Algorithm 1): ``k = 1`` for ``c <= 1`` (paper 003 compares Expert Choice at
+    ``c = 0.5`` with top-1 Token Choice), ``k = c`` above, and capacity factor ``c``. Expert
+    Choice (Algorithm 2): capacity factor ``c``. Soft MoE: ``round(c T / E)`` slots per expert
+    (at least 1), ``T`` being the tokens of one image.
+    """
+    capacity = check_capacity(capacity)
+    kind = ALLOCATION[router]
+    if kind == "token":
+        return {"k": max(1, int(capacity)), "capacity_factor": capacity}
+    if kind == "expert":
+        return {"capacity_factor": capacity}
+    return {"slots_per_expert": routing_lib.capacity(tokens, num_experts, capacity)}
+
+
+def cell_config(router: str | None, capacity: float, seed: int, *, dataset: str, scale: str | None = None,
                 **overrides) -> config_lib.TrainConfig:
-    """The :class:`TrainConfig` of one study cell (``router=None``: the dense ViT; ``router``
-    may also name one of :data:`VARIANTS`)."""
+    """The :class:`TrainConfig` of one study cell: ``router`` (or one of :data:`VARIANTS`;
+    ``None`` for the dense ViT) at capacity factor ``capacity``, in the Every-2 placement."""
     if router is not None and router not in STUDY_ROUTERS:
         raise ValueError(f"Unknown router {router!r}; expected one of: {', '.join(STUDY_ROUTERS)}.")
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}.")
+    capacity = check_capacity(capacity)
     router, options = VARIANTS.get(router, (router, {}))
+    overrides = {"model_placement": "every2", **overrides}
     cfg = config_lib.get_config(scale, dataset=dataset, router=router, seed=seed, **overrides)
     if router is None:
         return cfg
-    kwargs = dict(cfg.model.router_kwargs) | options
-    option = CAPACITY_OPTION[router]
-    kwargs[option] = capacity * kwargs["slots_per_expert"] if option == "slots_per_expert" else capacity
-    model = dataclasses.replace(cfg.model, router_kwargs=tuple(sorted(kwargs.items())))
+    m = cfg.model
+    kwargs = dict(m.router_kwargs) | options
+    kwargs |= capacity_options(router, capacity, tokens=m.num_patches, num_experts=m.num_experts)
+    model = dataclasses.replace(m, router_kwargs=tuple(sorted(kwargs.items())))
     return dataclasses.replace(cfg, model=model)
 
 
@@ -96,10 +150,11 @@ def step_flops(cfg: config_lib.TrainConfig) -> float:
 
 
 def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = None, datasets=None,
-             progress: bool = True, label: str | None = None) -> dict:
+             progress: bool = True, label: str | None = None, capacity: float = 1.0) -> dict:
     """Train (or resume) one cell, evaluate it and write ``result.json``; returns the result.
 
-    ``label`` names the router in the result (default: ``cfg.model.router`` or ``"dense"``).
+    ``label`` names the router in the result (default: ``cfg.model.router`` or ``"dense"``),
+    ``capacity`` is the capacity factor the cell was built with (:func:`cell_config`).
 
     With ``minutes``, the schedule is sized to that much training on this machine (measured
     once; a resumed cell keeps the steps it started with) and training stops when it is spent.
@@ -118,7 +173,7 @@ def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = No
     final = history["eval"][-1]
     result = {
         "router": label or cfg.model.router or "dense",
-        "capacity": _capacity_of(cfg),
+        "capacity": check_capacity(capacity),
         "seed": cfg.seed,
         "steps": final["step"],
         "test_accuracy": final["test_accuracy"],
@@ -128,21 +183,12 @@ def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = No
         "train_flops": flops * final["step"],
         # wall-clock time of this call: training, evaluation, 10-shot probe, FLOP count
         # (of the last session only, for a cell that was resumed)
+        "mechanisms": evaluate.mechanisms(model, datasets[1].images, seed=cfg.seed),
         "wall_seconds": round(time.perf_counter() - tick, 1),
         "eval": history["eval"],  # test accuracy during training: [{"step", "seconds", "test_accuracy"}]
     }
     result_path.write_text(json.dumps(result, indent=1))
     return result
-
-
-def _capacity_of(cfg) -> int:
-    if cfg.model.router is None:
-        return 1
-    value = dict(cfg.model.router_kwargs)[CAPACITY_OPTION[cfg.model.router]]
-    if CAPACITY_OPTION[cfg.model.router] == "slots_per_expert":
-        base = max(1, round(cfg.model.num_patches / cfg.model.num_experts))
-        return max(1, round(value / base))
-    return int(value)
 
 
 def summarize(cells: list[dict]) -> list[dict]:
@@ -249,41 +295,160 @@ def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", 
     return paired_t([statistics.fmean(d) for d in by_seed.values()], level=level)
 
 
-def run_study(out_dir, *, dataset: str, routers=None, capacities=(1, 2), seeds=(0, 1, 2), dense: bool = True,
+def paired_power(pairs: int, sd: float, difference: float, *, alpha: float = 0.05) -> float:
+    """Power of the two-sided paired t-test: the probability that ``pairs`` paired seeds whose
+    differences have standard deviation ``sd`` and mean ``difference`` give p < ``alpha``.
+    Under that alternative t follows a noncentral t distribution with ``pairs - 1`` degrees of
+    freedom and noncentrality ``difference * sqrt(pairs) / sd``."""
+    from scipy import stats
+
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 2:
+        raise ValueError(f"pairs must be an integer >= 2, got {pairs!r}.")
+    if not sd > 0:
+        raise ValueError(f"sd must be > 0, got {sd!r}.")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}.")
+    df, shift = pairs - 1, abs(difference) * math.sqrt(pairs) / sd
+    critical = stats.t.ppf(1 - alpha / 2, df)
+    return float(stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift))
+
+
+def seeds_for_power(sd: float, difference: float, *, alpha: float = 0.05, power: float = 0.8,
+                    comparisons: int = 1, max_pairs: int = 1000) -> int:
+    """The fewest paired seeds that detect ``difference`` with probability ``power`` when the
+    paired differences have standard deviation ``sd``, at family-wise level ``alpha`` over
+    ``comparisons`` tests (Bonferroni's ``alpha / comparisons``: what Holm's step-down test
+    needs for its smallest p-value, so a conservative plan for the others)."""
+    if not 0 < power < 1:
+        raise ValueError(f"power must be in (0, 1), got {power!r}.")
+    if isinstance(comparisons, bool) or not isinstance(comparisons, int) or comparisons < 1:
+        raise ValueError(f"comparisons must be an integer >= 1, got {comparisons!r}.")
+    for pairs in range(2, max_pairs + 1):
+        if paired_power(pairs, sd, difference, alpha=alpha / comparisons) >= power:
+            return pairs
+    raise ValueError(f"more than max_pairs={max_pairs} seeds needed (sd={sd}, difference={difference}).")
+
+
+def allocation_vs_affinity(cells: list[dict], *, metric: str = "test_accuracy", capacities=None,
+                           level: float = 0.95) -> dict:
+    """Paper 000's lesson, "the allocation matters more than the affinity", as a paired test.
+
+    In every (seed, capacity), takes the mean absolute ``metric`` difference over the router
+    pairs that differ only in the allocation (:data:`ALLOCATION_PAIRS`: the same affinity with
+    Token Choice or Expert Choice) minus the same over the pairs that differ only in the
+    affinity (:data:`AFFINITY_PAIRS`: the same allocation, another affinity); averages the
+    capacities of each seed and returns :func:`paired_t` over seeds. Noise inflates both means
+    alike, so a positive mean says changing the allocation moves accuracy more.
+    """
+    table: dict[tuple, dict[str, float]] = {}
+    for cell in cells:
+        if capacities is None or cell["capacity"] in capacities:
+            table.setdefault((cell["seed"], cell["capacity"]), {})[cell["router"]] = cell[metric]
+    by_seed: dict[int, list[float]] = {}
+    for (seed, _), acc in sorted(table.items()):
+        gaps = [[abs(acc[a] - acc[b]) for a, b in pairs if a in acc and b in acc]
+                for pairs in (ALLOCATION_PAIRS, AFFINITY_PAIRS)]
+        if all(gaps):
+            by_seed.setdefault(seed, []).append(statistics.fmean(gaps[0]) - statistics.fmean(gaps[1]))
+    if not by_seed:
+        raise ValueError("No (seed, capacity) has cells of both an allocation pair and an affinity pair.")
+    return paired_t([statistics.fmean(d) for d in by_seed.values()], level=level)
+
+
+TOKEN_CHOICE = tuple(r for r in sorted(ALLOCATION) if ALLOCATION[r] == "token")
+EXPERT_CHOICE = tuple(r for r in sorted(ALLOCATION) if ALLOCATION[r] == "expert")
+
+
+def claims(cells: list[dict], *, metric: str = "test_accuracy", level: float = 0.95) -> list[dict]:
+    """Paper 000's conclusions (and paper 003's and V-MoE's) as one family of paired tests.
+
+    Each row: ``claim``, ``source``, the :func:`compare` (or :func:`allocation_vs_affinity`)
+    statistics (``difference`` = better minus worse, ``ci_low``, ``ci_high``, ``t``, ``df``,
+    ``pairs``, ``p_value``) and ``p_holm``, the p-value adjusted by :func:`holm` over every row
+    (the family). A claim holds at level 0.05 when ``difference > 0`` and ``p_holm < 0.05``.
+    Rows whose routers have no cells yet (a study still running) are left out.
+    """
+    sparse = TOKEN_CHOICE + EXPERT_CHOICE
+    tests = [
+        ("Expert Choice beats Token Choice", "paper 000, Figures 1-2",
+         lambda: compare(cells, list(EXPERT_CHOICE), list(TOKEN_CHOICE), metric=metric, level=level)),
+        ("Sinkhorn Token Choice beats Softmax Token Choice", "paper 000, Figure 1",
+         lambda: compare(cells, "sinkhorn_token_choice", "softmax_token_choice", metric=metric, level=level)),
+        *[(f"Soft MoE beats {r}", "paper 000, Section 5",
+           lambda r=r: compare(cells, "soft_moe", r, metric=metric, level=level)) for r in sparse],
+        ("the allocation matters more than the affinity", "paper 000, Section 3.3",
+         lambda: allocation_vs_affinity(cells, metric=metric, level=level)),
+        ("Softmax Expert Choice at c = 0.5 beats top-1 Softmax Token Choice at c = 1", "paper 003",
+         lambda: compare([c | {"capacity": 0.0} for c in cells
+                          if (c["router"], c["capacity"]) in {("softmax_expert_choice", 0.5), ("softmax_token_choice", 1.0)}],
+                         "softmax_expert_choice", "softmax_token_choice", metric=metric, level=level)),
+        *[(f"{r} at c = 1 beats the dense ViT", "V-MoE (Riquelme et al. 2021)",
+           lambda r=r: compare(cells, r, "dense", metric=metric, capacities=[1.0], level=level))
+          for r in sorted(ALLOCATION)],
+    ]
+    rows = []
+    for claim, source, test in tests:
+        try:
+            rows.append({"claim": claim, "source": source, **test()})
+        except ValueError:  # no cells of these routers yet
+            continue
+    usable = [row for row in rows if not math.isnan(row["p_value"])]
+    for row, adjusted in zip(usable, holm([row["p_value"] for row in usable])):
+        row["p_holm"] = adjusted
+    return rows
+
+
+def run_study(out_dir, *, dataset: str, routers=None, capacities=CAPACITIES, seeds=(0, 1, 2), dense: bool = True,
               scale: str | None = None, minutes: float | None = None, command: str | None = None,
-              progress: bool = True, **overrides) -> dict:
+              progress: bool = True, done=None, **overrides) -> dict:
     """Run (or continue) a study; returns and writes ``out_dir/results.json``.
+
+    The cells run seed by seed (the dense ViT, then every router at every capacity), so a study
+    stopped early holds complete paired seeds.
 
     Args:
       out_dir: folder of the study; one sub-folder per cell.
       dataset: a dataset name (``mini_moe.data.DATASETS``).
-      routers: router names or :data:`VARIANTS` (default: all of :data:`STUDY_ROUTERS`).
-      capacities: the capacities to try (paper 000: 1 and 2).
+      routers: router names or :data:`VARIANTS` (default: every router of :data:`ROUTERS`).
+      capacities: the capacity factors c to try (:func:`capacity_options`).
       seeds: seeds per cell.
       dense: also train the dense ViT (once per seed).
       scale: ``"quick"``/``"full"`` or None (the default for this machine).
       minutes: per-cell training-time budget (else the config's ``steps``).
       command: the command line, recorded in the results.
+      done: a ``results.json`` of an earlier run of the same study (a path or the loaded
+        dict): its cells count as finished, so a fresh clone continues from committed results.
+        A path that does not exist yet counts as no cells (the first run of a study).
       **overrides: config overrides for every cell (``steps=...``, ``model_dim=...``).
     """
     from mini_moe import bench
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    routers = list(STUDY_ROUTERS) if routers is None else list(routers)
-    plan = [(None, 1, s) for s in seeds] if dense else []
-    plan += [(r, c, s) for s in seeds for r in routers for c in capacities]
+    routers = sorted(ROUTERS) if routers is None else list(routers)
+    capacities = [check_capacity(c) for c in capacities]
+    plan = [(r, c, s) for s in seeds for r, cs in ([(None, [1.0])] if dense else []) + [(r, capacities) for r in routers]
+            for c in cs]
+    if isinstance(done, (str, pathlib.Path)):
+        done = json.loads(pathlib.Path(done).read_text()) if pathlib.Path(done).exists() else None
+    finished = {(c["router"], c["capacity"], c["seed"]): c for c in (done or {}).get("cells", [])}
     datasets = train.load_data(cell_config(None, 1, 0, dataset=dataset, scale=scale, **overrides))
-    cells = []
+    cells, started = [], time.strftime("%Y-%m-%dT%H:%M:%S%z")
     for i, (router, capacity, seed) in enumerate(plan):
         name = cell_name(router, capacity, seed)
         cfg = cell_config(router, capacity, seed, dataset=dataset, scale=scale, **overrides)
         if progress:
             print(f"[{i + 1}/{len(plan)}] {name}", file=sys.stderr, flush=True)
-        cells.append(run_cell(cfg, out_dir / name, minutes=minutes, datasets=datasets, progress=progress,
-                              label=router))
-        results = {"command": command, "machine": bench.machine(), "dataset": dataset, "scale": scale or config_lib.default_scale(),
-                   "minutes_per_cell": minutes, "overrides": {k: repr(v) for k, v in overrides.items()},
+        key = (router or "dense", capacity, seed)
+        if key in finished and not (out_dir / name / "result.json").exists():
+            cells.append(finished[key])
+        else:
+            cells.append(run_cell(cfg, out_dir / name, minutes=minutes, datasets=datasets, progress=progress,
+                                  label=router, capacity=capacity))
+        results = {"command": command, "machine": bench.machine(), "started": started, "dataset": dataset,
+                   "scale": scale or config_lib.default_scale(), "minutes_per_cell": minutes,
+                   "overrides": {k: repr(v) for k, v in overrides.items()},
+                   "routers": routers, "capacities": capacities, "seeds": list(seeds), "planned_cells": len(plan),
                    "wall_seconds": round(sum(c.get("wall_seconds", 0.0) for c in cells), 1),
                    "cells": cells, "summary": summarize(cells)}
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))

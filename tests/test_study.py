@@ -86,3 +86,92 @@ def test_compare_pairs_by_seed_and_averages_capacities_within_a_seed():
     assert only_1["pairs"] == 3 and only_1["difference"] == pytest.approx(np.mean([0.10, 0.02, 0.02]))
     with pytest.raises(ValueError, match="No \\(seed, capacity\\)"):
         study.compare(cells, "a", "c")
+
+
+# ----------------------------------------------------------- study design (issue 12)
+
+
+@pytest.mark.parametrize("capacity", [0.5, 1.0, 2.0])
+@pytest.mark.parametrize("router", sorted(study.ALLOCATION))
+def test_every_router_gets_round_c_T_over_E_slots_per_expert_in_every2(router, capacity):
+    cfg = study.cell_config(router, capacity, 0, dataset="fashion_mnist", scale="quick")
+    m = cfg.model
+    assert m.moe_blocks() == (1, 3)  # Every-2 for every router, Soft MoE included (paper 000 Sec. 3.1)
+    from flax import nnx
+    from mini_moe.routers import make_router
+    r = make_router(router, m.dim, m.num_experts, rngs=nnx.Rngs(0), **dict(m.router_kwargs))
+    # T: the tokens one router call sees: a group of images, or one image for Soft MoE.
+    tokens = m.num_patches * (1 if router == "soft_moe" else m.group_images)
+    x = np.random.default_rng(0).normal(size=(2, tokens, m.dim)).astype(np.float32)
+    out = r(x)
+    assert out.routing.dispatch.shape[-2:] == (m.num_experts, int(np.floor(capacity * tokens / m.num_experts + 0.5)))
+    if study.ALLOCATION[router] == "token":
+        assert r.k == (1 if capacity <= 1 else int(capacity))
+
+
+def test_bad_capacities_are_rejected_with_the_reason():
+    for bad in (0, -1, 1.5, True, "1"):
+        with pytest.raises(ValueError, match="capacity"):
+            study.cell_config("softmax_token_choice", bad, 0, dataset="digits")
+    assert study.cell_name("svmoe", 0.5, 3) == "svmoe-c0.5-s3" and study.cell_name("svmoe", 2.0, 1) == "svmoe-c2-s1"
+
+
+def test_paired_power_matches_known_values_and_simulation():
+    # Textbook values (Cohen 1988; G*Power, one-sample/paired t, two-sided alpha 0.05, power 0.8):
+    # effect size d = 1 needs 10 pairs, d = 0.5 needs 34.
+    assert study.seeds_for_power(1.0, 1.0) == 10 and study.seeds_for_power(1.0, 0.5) == 34
+    # Bonferroni over m comparisons needs more pairs.
+    assert study.seeds_for_power(1.0, 1.0, comparisons=10) > 10
+    # Monte Carlo: the fraction of simulated studies with p < alpha.
+    rng = np.random.default_rng(0)
+    sims = rng.normal(0.5, 0.4, size=(4000, 6))
+    p = stats.ttest_1samp(sims, 0.0, axis=1).pvalue
+    assert study.paired_power(6, 0.4, 0.5) == pytest.approx(np.mean(p < 0.05), abs=0.02)
+    with pytest.raises(ValueError, match="pairs"):
+        study.paired_power(1, 0.4, 0.5)
+
+
+def _grid(accuracy, seeds=(0, 1, 2), capacities=(1.0,)):
+    return [_cell(r, c, s, accuracy(r, c, s)) for s in seeds for c in capacities for r in study.ALLOCATION]
+
+
+def test_allocation_vs_affinity_by_hand():
+    # Expert Choice routers 2 points above Token Choice routers; within an allocation the
+    # affinities differ by at most 0.6 point (0.3 point per place in this order).
+    order = {r: [x for x in sorted(study.ALLOCATION) if study.ALLOCATION[x] == study.ALLOCATION[r]].index(r)
+             for r in study.ALLOCATION}
+    noise = {0: 0.0, 1: 0.001, 2: -0.002}
+
+    def accuracy(r, c, s):
+        return 0.80 + 0.02 * (study.ALLOCATION[r] == "expert") + 0.003 * order[r] + noise[s] * order[r]
+
+    cells = _grid(accuracy)
+    per_seed = []
+    for s in (0, 1, 2):
+        acc = {r: accuracy(r, 1.0, s) for r in study.ALLOCATION}
+        alloc = np.mean([abs(acc[a] - acc[b]) for a, b in study.ALLOCATION_PAIRS])
+        affin = np.mean([abs(acc[a] - acc[b]) for a, b in study.AFFINITY_PAIRS])
+        per_seed.append(alloc - affin)
+    out = study.allocation_vs_affinity(cells)
+    assert out == pytest.approx(study.paired_t(per_seed))
+    assert out["difference"] > 0
+
+
+def test_claims_family_is_holm_adjusted_and_skips_missing_routers():
+    rng = np.random.default_rng(1)
+    bonus = {"soft_moe": 0.01, "dense": -0.01}
+    seed_effect = rng.normal(0, 0.01, size=8)
+    cells = [_cell(r, c, s, 0.85 + bonus.get(r, 0) + seed_effect[s] + rng.normal(0, 0.002))
+             for s in range(8) for r in sorted(study.ALLOCATION) for c in study.CAPACITIES]
+    cells += [_cell("dense", 1.0, s, 0.84 + seed_effect[s] + rng.normal(0, 0.002)) for s in range(8)]
+    rows = study.claims(cells)
+    assert len(rows) == 2 + 6 + 1 + 1 + 7
+    assert [r["p_holm"] for r in rows] == pytest.approx(study.holm([r["p_value"] for r in rows]))
+    soft = [r for r in rows if r["claim"].startswith("Soft MoE beats")]
+    assert all(r["difference"] > 0 and r["p_holm"] < 0.05 for r in soft)
+    paper3 = next(r for r in rows if r["source"] == "paper 003")
+    ec = [c["test_accuracy"] for c in cells if (c["router"], c["capacity"]) == ("softmax_expert_choice", 0.5)]
+    tc = [c["test_accuracy"] for c in cells if (c["router"], c["capacity"]) == ("softmax_token_choice", 1.0)]
+    assert paper3["p_value"] == pytest.approx(stats.ttest_rel(ec, tc).pvalue)
+    partial = study.claims([c for c in cells if c["router"] in ("softmax_token_choice", "dense")])
+    assert [r["claim"] for r in partial] == ["softmax_token_choice at c = 1 beats the dense ViT"]

@@ -345,7 +345,7 @@ def test_study_runs_every_cell_resumes_and_summarizes(tmp_path, capsys):
     assert dict(ablation.model.router_kwargs)["k"] == 2
     with pytest.raises(ValueError, match="Unknown router"):
         study.cell_config("nope", 1, 0, dataset="digits")
-    with pytest.raises(ValueError, match="capacity must be an integer"):
+    with pytest.raises(ValueError, match="capacity must be a number > 0"):
         study.cell_config("soft_moe", 0, 0, dataset="digits")
     tiny = {k: v for k, v in TINY.items() if k != "model_group_images"}
     args = ["study", "--dataset", "digits", "--routers", "soft_moe", "--capacities", "1", "2",
@@ -366,6 +366,18 @@ def test_study_runs_every_cell_resumes_and_summarizes(tmp_path, capsys):
     cli.main(args)
     assert (tmp_path / "soft_moe-c2-s0" / "result.json").exists()
     assert (tmp_path / "dense-s0" / "result.json").stat().st_mtime == before
+    # Every cell carries its mechanisms; Soft MoE and the dense ViT see one image at a time.
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert all(c["mechanisms"]["batch_dependence"] == 0.0 for c in results["cells"])
+    assert [len(c["mechanisms"]["layers"]) for c in results["cells"]] == [0, 1, 1]  # TINY: depth 2, Every-2
+    # A fresh clone continues from committed results (--done): nothing is trained again.
+    committed = tmp_path / "committed.json"
+    committed.write_text((tmp_path / "results.json").read_text())
+    fresh = tmp_path / "fresh"
+    args_fresh = [a if a != str(tmp_path) else str(fresh) for a in args] + ["--done", str(committed)]
+    cli.main(args_fresh)
+    again = json.loads((fresh / "results.json").read_text())
+    assert again["cells"] == results["cells"] and not (fresh / "dense-s0").exists()
 
 
 def test_step_flops_counts_every_study_router():

@@ -1,0 +1,215 @@
+"""A controlled experiment where the right routing is known: tokens drawn from K sub-tasks.
+
+Every token belongs to one of ``K`` sub-tasks. Its sub-task sets where it lies (a cluster
+around a centre ``mu_k``, so a linear router can tell the sub-tasks apart) and which function
+maps it to its target: ``y = f_k(x)``, where ``f_k`` is a random two-layer GELU MLP of the same
+shape as one expert (``D -> H -> D``). So ``K`` experts can fit the data exactly, one per
+sub-task, while one MLP of the same width ``H`` (the dense layer of equal activated compute)
+cannot fit ``K`` unrelated functions. The right routing is known: all tokens of a sub-task
+to one expert, a different expert per sub-task. :func:`run` trains one MoE layer (any router
+of :data:`mini_moe.ROUTERS`) on this data and measures how close the router gets to it.
+
+Metrics (:func:`evaluate_layer`, on fresh test groups):
+
+* ``fvu``: fraction of variance unexplained, ``mean |y - y_hat|^2 / mean |y - mean y|^2``
+  (0 is a perfect fit, 1 is predicting the mean);
+* ``routing_accuracy``: the fraction of tokens whose main expert (largest combine weight; none
+  if unprocessed) is the expert matched to their sub-task, under the best one-to-one matching
+  of sub-tasks to experts (Hungarian algorithm on the sub-task x expert counts);
+* ``unprocessed``, ``experts_per_token``, ``processed_cv``: as in
+  :func:`mini_moe.evaluate.mechanisms`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from mini_moe import routers as routers_lib
+from mini_moe import study
+from mini_moe.layer import MlpExperts, moe
+
+Array = Any
+
+FREQUENCIES = ("uniform", "skewed")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubtaskConfig:
+    """One run of the controlled experiment.
+
+    Attributes:
+      router: a router name (``mini_moe.ROUTERS``), or ``"dense"`` (one MLP of width
+        ``hidden``: equal activated compute) or ``"dense_wide"`` (width ``tasks * hidden``:
+        equal parameters, a reference that needs ``tasks`` times the compute).
+      capacity: capacity factor c (:func:`mini_moe.study.capacity_options`).
+      tasks: number of sub-tasks K (and of experts).
+      frequencies: ``"uniform"`` (each sub-task 1/K of the tokens) or ``"skewed"`` (Zipf:
+        sub-task k has probability proportional to 1/(k+1)).
+      dim, hidden: token width D and the width H of every teacher and every expert.
+      separation: distance of each sub-task's centre from the origin, in units of the
+        within-cluster standard deviation (1).
+      group_tokens: tokens per routing group T; ``groups``: groups per training batch.
+    """
+
+    router: str = "softmax_token_choice"
+    capacity: float = 1.0
+    tasks: int = 8
+    frequencies: str = "uniform"
+    dim: int = 32
+    hidden: int = 32
+    separation: float = 4.0
+    group_tokens: int = 256
+    groups: int = 8
+    steps: int = 1500
+    learning_rate: float = 3e-3
+    aux_loss_weight: float = 0.01
+    eval_every: int = 100
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.router not in ("dense", "dense_wide") and self.router not in routers_lib.ROUTERS:
+            raise ValueError(f"Unknown router {self.router!r}; expected 'dense', 'dense_wide' or one of: "
+                             f"{', '.join(sorted(routers_lib.ROUTERS))}.")
+        if self.frequencies not in FREQUENCIES:
+            raise ValueError(f"frequencies must be one of {FREQUENCIES}, got {self.frequencies!r}.")
+        for name in ("tasks", "dim", "hidden", "group_tokens", "groups", "steps", "eval_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        study.check_capacity(self.capacity)
+
+    def probabilities(self) -> np.ndarray:
+        """``[K]`` the share of tokens of each sub-task."""
+        weights = np.ones(self.tasks) if self.frequencies == "uniform" else 1.0 / np.arange(1, self.tasks + 1)
+        return weights / weights.sum()
+
+
+class Teacher:
+    """The K sub-tasks: centres ``[K, D]`` and teacher MLPs, fixed by ``data_seed``."""
+
+    def __init__(self, cfg: SubtaskConfig, data_seed: int = 0):
+        rng = np.random.default_rng(data_seed)
+        directions = np.linalg.qr(rng.normal(size=(cfg.dim, cfg.dim)))[0][: cfg.tasks]  # orthonormal rows
+        self.centres = cfg.separation * directions if cfg.tasks <= cfg.dim else cfg.separation * rng.normal(
+            size=(cfg.tasks, cfg.dim)) / math.sqrt(cfg.dim)
+        scale = 1.0 / math.sqrt(cfg.dim + cfg.separation**2)  # inputs have squared norm ~ D + separation^2
+        self.w1 = 2.0 * scale * rng.normal(size=(cfg.tasks, cfg.dim, cfg.hidden))
+        self.b1 = rng.normal(size=(cfg.tasks, 1, cfg.hidden)) * 0.5
+        self.w2 = rng.normal(size=(cfg.tasks, cfg.hidden, cfg.dim)) / math.sqrt(cfg.hidden)
+        self.p = cfg.probabilities()
+        self.cfg = cfg
+
+    def sample(self, rng: np.random.Generator, groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``groups`` routing groups: tokens ``x [G, T, D]``, targets ``y [G, T, D]`` and the
+        sub-task of every token ``[G, T]``."""
+        cfg = self.cfg
+        task = rng.choice(cfg.tasks, size=(groups, cfg.group_tokens), p=self.p)
+        x = self.centres[task] + rng.normal(size=(groups, cfg.group_tokens, cfg.dim))
+        h = np.einsum("gtd,gtdh->gth", x, self.w1[task]) + self.b1[task, 0]
+        y = np.einsum("gth,gthd->gtd", np.asarray(jax.nn.gelu(h)), self.w2[task])
+        return x.astype(np.float32), y.astype(np.float32), task
+
+
+class SubtaskLayer(nnx.Module):
+    """One MoE layer (``router`` + ``tasks`` experts of width ``hidden``) or a dense MLP.
+
+    ``layer(x [G, T, D]) -> (y [G, T, D], RouterOutput or None)``.
+    """
+
+    def __init__(self, cfg: SubtaskConfig, *, rngs: nnx.Rngs):
+        self.dense = cfg.router in ("dense", "dense_wide")
+        if self.dense:
+            width = cfg.hidden * (cfg.tasks if cfg.router == "dense_wide" else 1)
+            self.experts = MlpExperts(1, cfg.dim, width, rngs=rngs)
+            self.router = None
+        else:
+            kwargs = study.capacity_options(cfg.router, cfg.capacity, tokens=cfg.group_tokens, num_experts=cfg.tasks)
+            self.router = routers_lib.make_router(cfg.router, cfg.dim, cfg.tasks, rngs=rngs, **kwargs)
+            self.experts = MlpExperts(cfg.tasks, cfg.dim, cfg.hidden, rngs=rngs)
+
+    def __call__(self, x: Array):
+        if self.dense:
+            g, t, d = x.shape
+            return self.experts(x.reshape(1, g * t, d)).reshape(g, t, -1), None
+        out = self.router(x)
+        return moe(x, out.routing, self.experts), out
+
+
+def _loss(layer, x, y, aux_weight):
+    pred, out = layer(x)
+    mse = jnp.mean(jnp.sum((pred - y) ** 2, -1))
+    aux = 0.0 if out is None else out.aux_loss
+    return mse + aux_weight * aux, mse
+
+
+@nnx.jit(static_argnames=("aux_weight",))
+def _train_step(layer, optimizer, x, y, aux_weight):
+    (_, mse), grads = nnx.value_and_grad(_loss, has_aux=True)(layer, x, y, aux_weight)
+    optimizer.update(layer, grads)
+    return mse
+
+
+@nnx.jit
+def _predict(layer, x):
+    pred, out = layer(x)
+    if out is None:
+        return pred, None, None
+    weight = out.routing.combine.sum(-1)  # [G, T, E]: each expert's combine weight for the token
+    hits = (out.routing.dispatch > 0).any(-1)  # [G, T, E]
+    return pred, weight, hits
+
+
+def evaluate_layer(layer: SubtaskLayer, x: np.ndarray, y: np.ndarray, task: np.ndarray, num_tasks: int) -> dict:
+    """The metrics of the module docstring on test groups ``x, y [G, T, D]``, ``task [G, T]``."""
+    from scipy.optimize import linear_sum_assignment
+
+    layer.eval()
+    pred, weight, hits = _predict(layer, jnp.asarray(x))
+    layer.train()
+    pred = np.asarray(pred)
+    fvu = float(np.mean(np.sum((pred - y) ** 2, -1)) / np.mean(np.sum((y - y.mean((0, 1))) ** 2, -1)))
+    if weight is None:
+        return {"fvu": fvu}
+    weight, hits = np.asarray(weight), np.asarray(hits)
+    processed = hits.any(-1)
+    main = np.where(processed, np.where(hits, weight, -np.inf).argmax(-1), -1)  # main expert, -1: none
+    counts = np.zeros((num_tasks, weight.shape[-1]))
+    np.add.at(counts, (task[processed], main[processed]), 1)
+    rows, cols = linear_sum_assignment(-counts)
+    per_token = hits.sum(-1)
+    load = hits.sum((0, 1)).astype(float)
+    return {"fvu": fvu, "routing_accuracy": float(counts[rows, cols].sum() / task.size),
+            "unprocessed": float(np.mean(~processed)), "experts_per_token": float(per_token.mean()),
+            "processed_cv": float(load.std() / load.mean()) if load.mean() > 0 else 0.0}
+
+
+def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0) -> dict:
+    """Train one layer on the sub-task data and return its learning curve and final metrics.
+
+    The sub-tasks (centres and teachers) are fixed by ``data_seed`` and shared by every run;
+    ``cfg.seed`` sets the layer's initialisation and the order of training tokens, so runs with
+    the same seed are paired. Returns ``{"config", "curve": [{"step", **metrics}], "final",
+    "seconds"}``.
+    """
+    teacher = Teacher(cfg, data_seed)
+    test = teacher.sample(np.random.default_rng(10_000 + data_seed), test_groups)
+    rng = np.random.default_rng(cfg.seed)
+    layer = SubtaskLayer(cfg, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
+    optimizer = nnx.Optimizer(layer, optax.adam(cfg.learning_rate), wrt=nnx.Param)
+    curve, tick = [], time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        x, y, _ = teacher.sample(rng, cfg.groups)
+        _train_step(layer, optimizer, jnp.asarray(x), jnp.asarray(y), cfg.aux_loss_weight)
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            curve.append({"step": step, **evaluate_layer(layer, *test, cfg.tasks)})
+    return {"config": dataclasses.asdict(cfg), "curve": curve, "final": curve[-1],
+            "seconds": round(time.perf_counter() - tick, 2)}

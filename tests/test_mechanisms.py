@@ -1,0 +1,118 @@
+"""The mechanisms of the router study (evaluate.mechanisms) and the controlled sub-task experiment."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mini_moe import config as config_lib
+from mini_moe import evaluate, study, subtasks, train
+
+TINY = dict(model_dim=16, model_depth=2, model_heads=2, model_mlp_dim=16, model_num_experts=4, model_group_images=4)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return train.load_data(config_lib.get_config("quick", dataset="digits"))
+
+
+def _model(router, capacity, **kw):
+    cfg = study.cell_config(router, capacity, 0, dataset="digits", scale="quick", **{**TINY, **kw})
+    model = train.make_model(cfg)
+    # A random head, so predictions depend on the features (the trained-from-zero head would
+    # predict class 0 everywhere).
+    model.head.kernel[...] = jax.random.normal(jax.random.key(1), model.head.kernel.shape)
+    return model
+
+
+@pytest.mark.parametrize("router", ["softmax_token_choice", "softmax_expert_choice", "soft_moe"])
+@pytest.mark.parametrize("capacity", [0.5, 2.0])
+def test_mechanisms_invariants(digits, router, capacity):
+    model = _model(router, capacity)
+    images = digits[1].images[:96]  # a multiple of the batch's groups: no padding
+    out = evaluate.mechanisms(model, images, batch_size=48, stability_images=32)
+    assert len(out["layers"]) == 1 and 0 <= out["batch_dependence"] <= 1
+    layer = out["layers"][0]
+    e = model.cfg.num_experts
+    if router == "soft_moe":  # every token reaches every expert; one image at a time
+        assert layer["unprocessed"] == 0 and layer["experts_per_token"] == e and out["batch_dependence"] == 0
+    elif router == "softmax_expert_choice":  # every expert fills its C = c T / E slots
+        assert layer["processed_cv"] == 0 and layer["experts_per_token"] == pytest.approx(capacity)
+        assert layer["dropped_routes"] is None
+    else:
+        k = 1 if capacity <= 1 else 2
+        assert layer["dropped_routes"] == pytest.approx(1 - layer["experts_per_token"] / k)
+        if capacity == 0.5:  # E * C = T / 2 slots: at least half the tokens get none
+            assert layer["unprocessed"] >= 0.5
+    assert 0 <= layer["stability_top2"] <= layer["stability_top1"] <= 1
+
+
+def test_batch_dependence_is_zero_without_drops_and_positive_with_them(digits):
+    images = digits[1].images[:192]
+    # Token Choice with room for every token in one expert: each token's routing is its own.
+    roomy = _model("softmax_token_choice", 1.0)
+    for block in roomy.blocks:
+        if block.use_moe:
+            block.mlp.router.capacity_factor = float(roomy.cfg.num_experts)
+    assert evaluate.mechanisms(roomy, images, batch_size=48, stability_images=16)["batch_dependence"] == 0
+    # Expert Choice at c = 0.5: which tokens an expert takes depends on the other images.
+    tight = _model("softmax_expert_choice", 0.5)
+    assert evaluate.mechanisms(tight, images, batch_size=48, stability_images=16)["batch_dependence"] > 0
+
+
+def test_dense_model_has_no_moe_layers_and_no_batch_dependence(digits):
+    model = _model(None, 1.0)
+    out = evaluate.mechanisms(model, digits[1].images[:64], batch_size=32, stability_images=16)
+    assert out == {"batch_dependence": 0.0, "layers": []}
+
+
+# ---------------------------------------------------------------- sub-task experiment
+
+
+def _oracle(cfg):
+    """A layer whose router sends each token to its sub-task's expert and whose experts are the
+    teachers: the right routing, by construction."""
+    teacher = subtasks.Teacher(cfg)
+    layer = subtasks.SubtaskLayer(cfg, rngs=nnx.Rngs(0))
+    layer.router.dense.kernel[...] = 10.0 * teacher.centres.T.astype(np.float32)
+    layer.router.capacity_factor = float(cfg.tasks)  # room for every token: nothing dropped
+    layer.experts.w1[...] = teacher.w1.astype(np.float32)
+    layer.experts.b1[...] = teacher.b1.astype(np.float32)
+    layer.experts.w2[...] = teacher.w2.astype(np.float32)
+    return teacher, layer
+
+
+def test_the_teachers_are_experts_so_the_right_routing_fits_exactly():
+    cfg = subtasks.SubtaskConfig(router="softmax_token_choice", tasks=4, dim=8, hidden=8, group_tokens=64)
+    teacher, layer = _oracle(cfg)
+    x, y, task = teacher.sample(np.random.default_rng(0), 4)
+    # Tokens sit around their sub-task's centre.
+    assert np.allclose([x[task == k].mean(0) for k in range(4)], teacher.centres, atol=0.35)
+    metrics = subtasks.evaluate_layer(layer, x, y, task, cfg.tasks)
+    # The router sees x, not the sub-task: a token whose noise carries it nearer another centre
+    # (separation 4: a gap of 4 standard deviations, P ~ 0.2% per other centre) goes astray.
+    assert metrics["routing_accuracy"] >= 0.99 and metrics["unprocessed"] == 0
+    assert metrics["fvu"] < 0.02
+    # The matching makes the score blind to expert labels: permuting the experts changes nothing.
+    perm = np.array([2, 0, 3, 1])
+    layer.router.dense.kernel[...] = layer.router.dense.kernel[...][:, perm]
+    for name in ("w1", "b1", "w2", "b2"):
+        getattr(layer.experts, name)[...] = getattr(layer.experts, name)[...][perm]
+    assert subtasks.evaluate_layer(layer, x, y, task, cfg.tasks) == pytest.approx(metrics)
+
+
+def test_skewed_frequencies_are_zipf_and_configs_are_checked():
+    p = subtasks.SubtaskConfig(frequencies="skewed", tasks=4).probabilities()
+    assert p == pytest.approx(np.array([1, 1 / 2, 1 / 3, 1 / 4]) / (25 / 12))
+    for bad, match in ((dict(router="nope"), "Unknown router"), (dict(frequencies="flat"), "frequencies"),
+                       (dict(capacity=1.5), "capacity"), (dict(tasks=0), "tasks")):
+        with pytest.raises(ValueError, match=match):
+            subtasks.SubtaskConfig(**bad)
+
+
+def test_a_short_run_learns_and_records_its_curve():
+    cfg = subtasks.SubtaskConfig(router="softmax_expert_choice", tasks=4, dim=8, hidden=8, group_tokens=64,
+                                 groups=4, steps=60, eval_every=30)
+    out = subtasks.run(cfg, test_groups=8)
+    assert [c["step"] for c in out["curve"]] == [30, 60] and out["final"] == out["curve"][-1]
+    assert out["final"]["fvu"] < 1.0 and out["final"]["processed_cv"] == 0
