@@ -200,6 +200,34 @@ def _study(args):
     print(f"wrote {out / 'results.json'}")
 
 
+def _add_subtasks(sub):
+    from mini_moe import subtasks
+
+    p = sub.add_parser("subtasks", help="the controlled experiment: tokens from K known sub-tasks, one MoE layer "
+                       "per router (resumable)", description=subtasks.__doc__.split("\n\n")[0])
+    p.add_argument("--routers", nargs="+", default=list(subtasks.ROUTER_CHOICES), choices=subtasks.ROUTER_CHOICES,
+                   metavar="ROUTER", help="routers, 'dense' and/or 'dense_wide' (default: all)")
+    p.add_argument("--frequencies", nargs="+", default=list(subtasks.FREQUENCIES), choices=subtasks.FREQUENCIES)
+    p.add_argument("--capacities", nargs="+", type=float, default=[1.0], help="capacity factors c")
+    p.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))
+    p.add_argument("--steps", type=int, default=None, help="training steps per run")
+    p.add_argument("--out", default="runs/subtasks.json", help="JSON file (resumed if it exists)")
+    p.set_defaults(func=_subtasks)
+
+
+def _subtasks(args):
+    from mini_moe import subtasks
+
+    overrides = {} if args.steps is None else {"steps": args.steps}
+    results = subtasks.run_experiment(args.out, routers=args.routers, frequencies=args.frequencies,
+                                      capacities=args.capacities, seeds=args.seeds,
+                                      command="python -m mini_moe " + " ".join(args.argv), **overrides)
+    for run in results["runs"][-len(args.routers):]:
+        c = run["config"]
+        print(f"{c['router']:36s} {c['frequencies']:8s} seed {c['seed']}  FVU {run['final']['fvu']:.3f}")
+    print(f"wrote {args.out}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mini_moe",
@@ -211,6 +239,7 @@ def main(argv=None) -> int:
     _add_evaluate(sub)
     _add_bench(sub)
     _add_study(sub)
+    _add_subtasks(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv

@@ -213,3 +213,57 @@ def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0) -> dic
             curve.append({"step": step, **evaluate_layer(layer, *test, cfg.tasks)})
     return {"config": dataclasses.asdict(cfg), "curve": curve, "final": curve[-1],
             "seconds": round(time.perf_counter() - tick, 2)}
+
+
+ROUTER_CHOICES = ("dense", "dense_wide") + tuple(sorted(routers_lib.ROUTERS))
+
+
+def run_experiment(out_path, *, routers=ROUTER_CHOICES, frequencies=FREQUENCIES, capacities=(1.0,), seeds=range(8),
+                   command: str | None = None, progress: bool = True, **overrides) -> dict:
+    """Every router (and both dense references) on every frequency setting, capacity and seed.
+
+    Resumable: ``out_path`` (JSON) is rewritten after every run, and runs already in it are not
+    repeated. Returns ``{"command", "machine", "runs": [run(...) results]}``; ``overrides`` go to
+    every :class:`SubtaskConfig` (``steps=...``, ``tasks=...``).
+    """
+    import json
+    import pathlib
+    import sys
+
+    from mini_moe import bench
+
+    out_path = pathlib.Path(out_path)
+    results = json.loads(out_path.read_text()) if out_path.exists() else {"runs": []}
+    done = {json.dumps(r["config"], sort_keys=True) for r in results["runs"]}
+    plan = [SubtaskConfig(router=r, capacity=1.0 if r.startswith("dense") else float(c), frequencies=f, seed=s,
+                          **overrides)
+            for s in seeds for f in frequencies for r in routers for c in (capacities[:1] if r.startswith("dense")
+                                                                           else capacities)]
+    for i, cfg in enumerate(plan):
+        if json.dumps(dataclasses.asdict(cfg), sort_keys=True) in done:
+            continue
+        if progress:
+            print(f"[{i + 1}/{len(plan)}] {cfg.router} c={cfg.capacity:g} {cfg.frequencies} seed {cfg.seed}",
+                  file=sys.stderr, flush=True)
+        results["runs"].append(run(cfg))
+        results.update(command=command, machine=bench.machine(), planned_runs=len(plan))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(results, indent=1))
+    return results
+
+
+def paired(results: dict, better: str, worse: str, *, frequencies: str, capacity: float = 1.0,
+           metric: str = "fvu", lower_is_better: bool = True) -> dict:
+    """:func:`mini_moe.study.paired_t` of ``better`` against ``worse`` over the seeds both ran
+    (same data, same training tokens): the difference is oriented so that a positive mean says
+    ``better`` is better (for FVU: ``worse``'s minus ``better``'s)."""
+    final = {}
+    for r in results["runs"]:
+        c = r["config"]
+        if c["frequencies"] == frequencies and (c["capacity"] == capacity or c["router"].startswith("dense")):
+            final[(c["router"], c["seed"])] = r["final"][metric]
+    seeds = sorted({s for (name, s) in final if name == better} & {s for (name, s) in final if name == worse})
+    if not seeds:
+        raise ValueError(f"No seed has runs of both {better!r} and {worse!r} ({frequencies}, c = {capacity:g}).")
+    sign = -1.0 if lower_is_better else 1.0
+    return study.paired_t([sign * (final[(better, s)] - final[(worse, s)]) for s in seeds])
