@@ -192,7 +192,8 @@ def _study(args):
                               minutes=args.minutes, command=command, done=args.done, **overrides)
     for cost in ("train_seconds", "train_flops"):
         study.plot_study(results, cost=cost).savefig(out / f"accuracy_vs_{cost}.png", dpi=120, bbox_inches="tight")
-    study.plot_curves(out, results).savefig(out / "training_curves.png", dpi=120)
+    study.plot_curves(results).savefig(out / "training_curves.png", dpi=120)
+    study.plot_capacity_sweep(results).savefig(out / "capacity_sweep.png", dpi=120, bbox_inches="tight")
     for row in results["summary"]:
         print(f"{row['router']:36s} c={row['capacity']}  test {100 * row['test_accuracy']:.2f} "
               f"+- {100 * row['test_accuracy_std']:.2f}  10-shot {100 * row['ten_shot_accuracy']:.2f}  "

@@ -455,44 +455,134 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=CAPACITIES, see
     return results
 
 
-def plot_study(results: dict, *, cost: str = "train_seconds"):
-    """Accuracy against training cost (paper 000, Figures 1-2): one marker per router and
-    capacity (filled: capacity 1, open: capacity 2), error bars over seeds."""
+MARKERS = {"softmax_token_choice": "X", "sinkhorn_token_choice": "P", "svmoe": "p",
+           "softmax_expert_choice": "s", "sinkhorn_expert_choice": "o",
+           "sparsity_constrained_expert_choice": "^", "soft_moe": "*", "dense": "D",
+           "sinkhorn_token_choice_plan_combine": "h"}
+MECHANISMS = ("unprocessed", "dropped_routes", "experts_per_token", "load_cv", "processed_cv",
+              "stability_top1", "stability_top2")
+
+
+def _style(router):
     import matplotlib.pyplot as plt
 
-    markers = {"softmax_token_choice": "o", "sinkhorn_token_choice": "s", "svmoe": "P",
-               "softmax_expert_choice": "v", "sinkhorn_expert_choice": "D",
-               "sparsity_constrained_expert_choice": "^", "soft_moe": "*", "dense": "x",
-               "sinkhorn_token_choice_plan_combine": "X"}
+    names = sorted(MARKERS)
+    return dict(marker=MARKERS.get(router, "o"), color=plt.cm.tab10(names.index(router) % 10 if router in names else 0))
+
+
+def mechanism_summary(cells: list[dict]) -> list[dict]:
+    """Per (router, capacity): the mean over seeds (and MoE layers) of every mechanism of
+    :func:`mini_moe.evaluate.mechanisms`, test accuracy, and ``batch_dependence``; ``None``
+    where a mechanism does not apply (``dropped_routes`` outside Token Choice)."""
+    groups: dict[tuple, list[dict]] = {}
+    for cell in cells:
+        if "mechanisms" in cell:
+            groups.setdefault((cell["router"], cell["capacity"]), []).append(cell)
+    rows = []
+    for (router, capacity), members in sorted(groups.items(), key=lambda kv: (kv[0][0] != "dense", kv[0])):
+        row = {"router": router, "capacity": capacity, "seeds": len(members),
+               "test_accuracy": statistics.fmean(m["test_accuracy"] for m in members),
+               "batch_dependence": statistics.fmean(m["mechanisms"]["batch_dependence"] for m in members)}
+        for key in MECHANISMS:
+            values = [layer[key] for m in members for layer in m["mechanisms"]["layers"] if layer[key] is not None]
+            row[key] = statistics.fmean(values) if values else None
+        rows.append(row)
+    return rows
+
+
+def ranking_agreement(cells: list[dict]) -> list[dict]:
+    """How settled the ranking of the (router, capacity) cells is during training: for every
+    evaluation step, Kendall's tau between the cells' test accuracies at that step and at the
+    end of training, per seed, then the mean over seeds. Returns ``[{"step", "tau", "seeds"}]``."""
+    from scipy import stats
+
+    by_seed: dict[int, list[dict]] = {}
+    for cell in cells:
+        by_seed.setdefault(cell["seed"], []).append(cell)
+    taus: dict[int, list[float]] = {}
+    for members in by_seed.values():
+        if len(members) < 3:
+            continue
+        final = [m["test_accuracy"] for m in members]
+        for i, entry in enumerate(members[0]["eval"]):
+            step_acc = [m["eval"][i]["test_accuracy"] for m in members if len(m["eval"]) > i]
+            if len(step_acc) == len(final):
+                taus.setdefault(entry["step"], []).append(float(stats.kendalltau(step_acc, final).statistic))
+    return [{"step": step, "tau": statistics.fmean(v), "seeds": len(v)} for step, v in sorted(taus.items())]
+
+
+def plot_study(results: dict, *, cost: str = "train_seconds"):
+    """Accuracy against training cost (paper 000, Figures 1-2): one marker per router and
+    capacity, larger markers for larger capacity factors, error bars: standard error over seeds."""
+    import matplotlib.pyplot as plt
+
+    sizes = {0.5: 6, 1.0: 9, 2.0: 13}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, metric, title in ((axes[0], "test_accuracy", "test accuracy"),
-                              (axes[1], "ten_shot_accuracy", "10-shot accuracy")):
-        for i, row in enumerate(results["summary"]):
-            color = plt.cm.tab10(sorted(markers).index(row["router"]) % 10)
-            ax.errorbar(row[cost], row[metric], xerr=row[cost + "_std"], yerr=row[metric + "_std"],
-                        marker=markers.get(row["router"], "o"), markersize=9, linestyle="none", color=color,
-                        markerfacecolor=color if row["capacity"] == 1 else "white",
-                        label=f"{row['router']} ({row['capacity']})")
+    for ax, metric, title in ((axes[0], "test_accuracy", "test accuracy (%)"),
+                              (axes[1], "ten_shot_accuracy", "10-shot accuracy (%)")):
+        for row in results["summary"]:
+            n = max(row["seeds"], 1)
+            ax.errorbar(row[cost], 100 * row[metric], yerr=100 * row[metric + "_std"] / math.sqrt(n),
+                        markersize=sizes.get(row["capacity"], 9), linestyle="none", **_style(row["router"]),
+                        label=row["router"] if row["capacity"] == 1.0 else None)
         ax.set_xlabel({"train_seconds": "training time (s)", "train_flops": "training FLOPs (XLA count)"}[cost])
-        ax.set_title(title)
+        ax.set_ylabel(title)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    axes[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5), title="marker size: c")
     fig.tight_layout()
     return fig
 
 
-def plot_curves(out_dir, results: dict):
-    """Test accuracy against training time of every cell (from each cell's history.json)."""
+def plot_capacity_sweep(results: dict, *, metrics=("test_accuracy", "unprocessed", "batch_dependence")):
+    """One panel per metric against the capacity factor c (log scale), one line per router
+    (mean over seeds); the dense ViT as a horizontal line where it applies."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = mechanism_summary(results["cells"])
+    labels = {"test_accuracy": "test accuracy (%)", "unprocessed": "tokens no expert processes",
+              "dropped_routes": "requested routes dropped", "experts_per_token": "experts per token",
+              "load_cv": "load CV (top-1 choices)", "processed_cv": "load CV (processed)",
+              "batch_dependence": "predictions that change with the group",
+              "stability_top1": "top-1 match under augmentation"}
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.6), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        scale = 100 if metric == "test_accuracy" else 1
+        for router in sorted({r["router"] for r in rows} - {"dense"}):
+            pts = sorted((r["capacity"], r[metric]) for r in rows if r["router"] == router and r[metric] is not None)
+            if pts:
+                ax.plot([c for c, _ in pts], [scale * v for _, v in pts], label=router, **_style(router))
+        dense = [r for r in rows if r["router"] == "dense"]
+        if dense and metric in ("test_accuracy", "batch_dependence"):
+            ax.axhline(scale * dense[0][metric], color="k", linestyle="--", linewidth=1, label="dense ViT")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["capacity"] for r in rows if r["router"] != "dense"}))
+        ax.set_xticklabels([f"{c:g}" for c in ax.get_xticks()])
+        ax.set_xlabel("capacity factor c")
+        ax.set_title(labels.get(metric, metric), fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.tight_layout()
+    return fig
+
+
+def plot_curves(results: dict, *, capacity: float = 1.0):
+    """Test accuracy during training (each cell's ``eval`` history), mean over seeds, for every
+    router at one capacity factor and the dense ViT."""
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, dict[int, list[float]]] = {}
     for cell in results["cells"]:
-        name = cell_name(None if cell["router"] == "dense" else cell["router"], cell["capacity"], cell["seed"])
-        history = json.loads((pathlib.Path(out_dir) / name / "history.json").read_text())
-        ax.plot([e["seconds"] for e in history["eval"]], [100 * e["test_accuracy"] for e in history["eval"]],
-                marker="o", markersize=3, label=name, linestyle="--" if cell["router"] == "dense" else "-")
-    ax.set_xlabel("training time (s)")
+        if cell["router"] == "dense" or cell["capacity"] == capacity:
+            for entry in cell["eval"]:
+                curves.setdefault(cell["router"], {}).setdefault(entry["step"], []).append(entry["test_accuracy"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for router, by_step in sorted(curves.items()):
+        steps = sorted(by_step)
+        ax.plot(steps, [100 * statistics.fmean(by_step[s]) for s in steps], label=router,
+                linestyle="--" if router == "dense" else "-", **_style(router))
+    ax.set_xlabel("training step")
     ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"capacity factor c = {capacity:g}; mean over seeds", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()

@@ -114,9 +114,16 @@ class Teacher:
         cfg = self.cfg
         task = rng.choice(cfg.tasks, size=(groups, cfg.group_tokens), p=self.p)
         x = self.centres[task] + rng.normal(size=(groups, cfg.group_tokens, cfg.dim))
-        h = np.einsum("gtd,gtdh->gth", x, self.w1[task]) + self.b1[task, 0]
-        y = np.einsum("gth,gthd->gtd", np.asarray(jax.nn.gelu(h)), self.w2[task])
+        y = np.empty_like(x)
+        for k in range(cfg.tasks):  # each sub-task's tokens through its teacher
+            mine = task == k
+            y[mine] = _gelu(x[mine] @ self.w1[k] + self.b1[k]) @ self.w2[k]
         return x.astype(np.float32), y.astype(np.float32), task
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh form: what ``jax.nn.gelu`` (the experts' activation) computes by default."""
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
 class SubtaskLayer(nnx.Module):

@@ -175,3 +175,33 @@ def test_claims_family_is_holm_adjusted_and_skips_missing_routers():
     assert paper3["p_value"] == pytest.approx(stats.ttest_rel(ec, tc).pvalue)
     partial = study.claims([c for c in cells if c["router"] in ("softmax_token_choice", "dense")])
     assert [r["claim"] for r in partial] == ["softmax_token_choice at c = 1 beats the dense ViT"]
+
+
+def _mech(unprocessed, dropped=None):
+    layer = {"unprocessed": unprocessed, "dropped_routes": dropped, "experts_per_token": 1 - unprocessed,
+             "load_cv": 0.5, "processed_cv": 0.0, "stability_top1": 0.5, "stability_top2": 0.25}
+    return {"batch_dependence": unprocessed / 10, "layers": [layer, dict(layer, unprocessed=3 * unprocessed)]}
+
+
+def test_mechanism_summary_means_over_seeds_and_layers():
+    cells = [dict(_cell("softmax_token_choice", 0.5, s, 0.8 + s / 100), mechanisms=_mech(0.1 * (s + 1), 0.2))
+             for s in range(2)]
+    cells += [dict(_cell("soft_moe", 1.0, 0, 0.85), mechanisms=_mech(0.0))]
+    rows = {(r["router"], r["capacity"]): r for r in study.mechanism_summary(cells)}
+    tc = rows["softmax_token_choice", 0.5]
+    # layers: (0.1, 0.3) for seed 0 and (0.2, 0.6) for seed 1
+    assert tc["unprocessed"] == pytest.approx(np.mean([0.1, 0.3, 0.2, 0.6])) and tc["seeds"] == 2
+    assert tc["batch_dependence"] == pytest.approx(np.mean([0.01, 0.02])) and tc["dropped_routes"] == 0.2
+    assert rows["soft_moe", 1.0]["dropped_routes"] is None
+
+
+def test_ranking_agreement_is_kendall_tau_against_the_final_ranking():
+    def cell(router, seed, curve):
+        return {"router": router, "capacity": 1.0, "seed": seed, "test_accuracy": curve[-1],
+                "eval": [{"step": 100 * (i + 1), "test_accuracy": a} for i, a in enumerate(curve)]}
+
+    cells = [cell("a", 0, [0.1, 0.5, 0.9]), cell("b", 0, [0.3, 0.4, 0.8]), cell("c", 0, [0.2, 0.3, 0.7])]
+    out = study.ranking_agreement(cells)
+    assert [r["step"] for r in out] == [100, 200, 300]
+    assert out[0]["tau"] == pytest.approx(stats.kendalltau([0.1, 0.3, 0.2], [0.9, 0.8, 0.7]).statistic)
+    assert out[1]["tau"] == pytest.approx(1.0) and out[2]["tau"] == pytest.approx(1.0)

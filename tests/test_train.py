@@ -360,6 +360,7 @@ def test_study_runs_every_cell_resumes_and_summarizes(tmp_path, capsys):
     # Capacity 2 processes twice the slots: XLA counts more FLOPs.
     assert rows[("soft_moe", 2)]["train_flops"] > rows[("soft_moe", 1)]["train_flops"] > 0
     assert (tmp_path / "accuracy_vs_train_seconds.png").exists() and (tmp_path / "training_curves.png").exists()
+    assert (tmp_path / "capacity_sweep.png").exists()
     # Resumable: a second run finds every result.json and trains nothing.
     (tmp_path / "soft_moe-c2-s0" / "result.json").unlink()
     before = (tmp_path / "dense-s0" / "result.json").stat().st_mtime
