@@ -102,7 +102,7 @@ except ImportError:
 def _install_code_cell(md_text: str):
     """The install cell: the first code cell that installs mini_moe (by its marker, or the
     older hand-written comment). It must be one of the first two code cells: only a cell
-    that sets environment variables before JAX is imported (chapter 9) may come before it."""
+    that sets environment variables before JAX is imported (chapter 10) may come before it."""
     for index, match in enumerate(CODE_CELL.finditer(md_text)):
         if index > 1:
             return None

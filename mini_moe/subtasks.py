@@ -175,6 +175,37 @@ def _predict(layer, x):
     return pred, weight, hits
 
 
+def assignment_counts(weight: np.ndarray, hits: np.ndarray, task: np.ndarray, num_tasks: int) -> np.ndarray:
+    """``[K, E]``: how many tokens of each sub-task have each expert as their main expert (the
+    processing expert with the largest combine weight); unprocessed tokens count nowhere."""
+    processed = hits.any(-1)
+    main = np.where(hits, weight, -np.inf).argmax(-1)
+    counts = np.zeros((num_tasks, weight.shape[-1]))
+    np.add.at(counts, (task[processed], main[processed]), 1)
+    return counts
+
+
+def routing(layer: SubtaskLayer, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(weight, hits)``, both ``[G, T, E]``: each expert's combine weight for every token and
+    whether it processes the token (eval mode)."""
+    layer.eval()
+    _, weight, hits = _predict(layer, jnp.asarray(x))
+    layer.train()
+    return np.asarray(weight), np.asarray(hits)
+
+
+def balance_bound(cfg: SubtaskConfig, *, groups: int = 20_000, seed: int = 0) -> float:
+    """The best routing accuracy any allocation with ``C = round(c T / E)`` slots per expert can
+    reach, ``1 - E[sum_k max(n_k - C, 0)] / T``: a sub-task with ``n_k`` tokens in a group keeps at
+    most ``C`` of them at its own expert. ``n ~ Multinomial(T, p)``, estimated from ``groups``
+    sampled groups."""
+    from mini_moe.routing import capacity as capacity_of
+
+    slots = capacity_of(cfg.group_tokens, cfg.tasks, cfg.capacity)
+    counts = np.random.default_rng(seed).multinomial(cfg.group_tokens, cfg.probabilities(), size=groups)
+    return float(1 - np.maximum(counts - slots, 0).sum(-1).mean() / cfg.group_tokens)
+
+
 def evaluate_layer(layer: SubtaskLayer, x: np.ndarray, y: np.ndarray, task: np.ndarray, num_tasks: int) -> dict:
     """The metrics of the module docstring on test groups ``x, y [G, T, D]``, ``task [G, T]``."""
     from scipy.optimize import linear_sum_assignment
@@ -188,9 +219,7 @@ def evaluate_layer(layer: SubtaskLayer, x: np.ndarray, y: np.ndarray, task: np.n
         return {"fvu": fvu}
     weight, hits = np.asarray(weight), np.asarray(hits)
     processed = hits.any(-1)
-    main = np.where(processed, np.where(hits, weight, -np.inf).argmax(-1), -1)  # main expert, -1: none
-    counts = np.zeros((num_tasks, weight.shape[-1]))
-    np.add.at(counts, (task[processed], main[processed]), 1)
+    counts = assignment_counts(weight, hits, task, num_tasks)
     rows, cols = linear_sum_assignment(-counts)
     per_token = hits.sum(-1)
     load = hits.sum((0, 1)).astype(float)
@@ -199,13 +228,13 @@ def evaluate_layer(layer: SubtaskLayer, x: np.ndarray, y: np.ndarray, task: np.n
             "processed_cv": float(load.std() / load.mean()) if load.mean() > 0 else 0.0}
 
 
-def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0) -> dict:
+def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0, return_layer: bool = False):
     """Train one layer on the sub-task data and return its learning curve and final metrics.
 
     The sub-tasks (centres and teachers) are fixed by ``data_seed`` and shared by every run;
     ``cfg.seed`` sets the layer's initialisation and the order of training tokens, so runs with
     the same seed are paired. Returns ``{"config", "curve": [{"step", **metrics}], "final",
-    "seconds"}``.
+    "seconds"}``; with ``return_layer``, ``(that dict, the trained layer, the test groups (x, y, task))``.
     """
     teacher = Teacher(cfg, data_seed)
     test = teacher.sample(np.random.default_rng(10_000 + data_seed), test_groups)
@@ -218,8 +247,9 @@ def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0) -> dic
         _train_step(layer, optimizer, jnp.asarray(x), jnp.asarray(y), cfg.aux_loss_weight)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             curve.append({"step": step, **evaluate_layer(layer, *test, cfg.tasks)})
-    return {"config": dataclasses.asdict(cfg), "curve": curve, "final": curve[-1],
-            "seconds": round(time.perf_counter() - tick, 2)}
+    out = {"config": dataclasses.asdict(cfg), "curve": curve, "final": curve[-1],
+           "seconds": round(time.perf_counter() - tick, 2)}
+    return (out, layer, test) if return_layer else out
 
 
 ROUTER_CHOICES = ("dense", "dense_wide") + tuple(sorted(routers_lib.ROUTERS))
@@ -274,3 +304,78 @@ def paired(results: dict, better: str, worse: str, *, frequencies: str, capacity
         raise ValueError(f"No seed has runs of both {better!r} and {worse!r} ({frequencies}, c = {capacity:g}).")
     sign = -1.0 if lower_is_better else 1.0
     return study.paired_t([sign * (final[(better, s)] - final[(worse, s)]) for s in seeds])
+
+
+def summary(results: dict, *, capacity: float = 1.0) -> list[dict]:
+    """Per (frequencies, router): mean and standard deviation over seeds of every final metric,
+    and the number of seeds. Routers in :data:`ROUTER_CHOICES` order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results["runs"]:
+        c = r["config"]
+        if c["capacity"] == capacity or c["router"].startswith("dense"):
+            groups.setdefault((c["frequencies"], c["router"]), []).append(r["final"])
+    rows = []
+    for (freq, router), finals in sorted(groups.items(), key=lambda kv: (FREQUENCIES.index(kv[0][0]),
+                                                                         ROUTER_CHOICES.index(kv[0][1]))):
+        row = {"frequencies": freq, "router": router, "seeds": len(finals)}
+        for key in finals[0]:
+            if key != "step":
+                values = [f[key] for f in finals]
+                row[key] = float(np.mean(values))
+                row[key + "_std"] = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+        rows.append(row)
+    return rows
+
+
+def pairwise(results: dict, *, capacity: float = 1.0, metric: str = "fvu") -> list[dict]:
+    """Every pair of routers in every frequency setting, as one family of paired t-tests over
+    seeds with Holm's correction: rows ``{"frequencies", "better", "worse", **paired_t,
+    "p_holm"}``, oriented so that ``better`` has the lower mean ``metric`` (FVU)."""
+    rows = []
+    for freq in FREQUENCIES:
+        means = {r["router"]: r[metric] for r in summary(results, capacity=capacity) if r["frequencies"] == freq}
+        names = sorted(means, key=means.get)
+        for i, better in enumerate(names):
+            for worse in names[i + 1:]:
+                rows.append({"frequencies": freq, "better": better, "worse": worse,
+                             **paired(results, better, worse, frequencies=freq, capacity=capacity, metric=metric)})
+    usable = [row for row in rows if not math.isnan(row["p_value"])]
+    for row, adjusted in zip(usable, study.holm([row["p_value"] for row in usable])):
+        row["p_holm"] = adjusted
+    return rows
+
+
+def plot_curves(results: dict, *, frequencies: str, capacity: float = 1.0,
+                metrics=("fvu", "routing_accuracy", "unprocessed")):
+    """Learning curves, mean over seeds: one panel per metric, one line per router."""
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, dict[str, dict[int, list[float]]]] = {}
+    for r in results["runs"]:
+        c = r["config"]
+        if c["frequencies"] == frequencies and (c["capacity"] == capacity or c["router"].startswith("dense")):
+            for point in r["curve"]:
+                for m in metrics:
+                    if m in point:
+                        curves.setdefault(m, {}).setdefault(c["router"], {}).setdefault(point["step"], []).append(point[m])
+    titles = {"fvu": "fraction of variance unexplained", "routing_accuracy": "tokens at their sub-task's expert",
+              "unprocessed": "tokens no expert processes", "processed_cv": "load CV (processed)"}
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.3 * len(metrics), 3.6), squeeze=False)
+    for ax, m in zip(axes[0], metrics):
+        for router, by_step in sorted(curves.get(m, {}).items(), key=lambda kv: ROUTER_CHOICES.index(kv[0])):
+            steps = sorted(by_step)
+            style = study._style(router if router in study.MARKERS else "dense")
+            if router == "dense_wide":
+                style = dict(style, color="0.5")
+            ax.plot(steps, [np.mean(by_step[s]) for s in steps], label=router, markersize=4,
+                    linestyle="--" if router.startswith("dense") else "-", **style)
+        ax.set_xlabel("training step")
+        ax.set_title(titles.get(m, m), fontsize=10)
+        ax.grid(alpha=0.3)
+    if "fvu" in metrics:
+        axes[0, list(metrics).index("fvu")].set_yscale("log")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    axes[0, -1].legend(handles, labels, fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    fig.suptitle(f"{frequencies} sub-task frequencies, c = {capacity:g}; mean over seeds", fontsize=10)
+    fig.tight_layout()
+    return fig

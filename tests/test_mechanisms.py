@@ -116,3 +116,24 @@ def test_a_short_run_learns_and_records_its_curve():
     out = subtasks.run(cfg, test_groups=8)
     assert [c["step"] for c in out["curve"]] == [30, 60] and out["final"] == out["curve"][-1]
     assert out["final"]["fvu"] < 1.0 and out["final"]["processed_cv"] == 0
+
+
+def test_balance_bound_by_hand_and_no_hard_allocation_beats_it():
+    # T = 4 tokens, K = 2 equally likely sub-tasks, C = 2 slots: n_1 ~ Bin(4, 1/2) and
+    # E|n_1 - 2| = (2 + 4 + 0 + 4 + 2) / 16 = 0.75 tokens per group cannot stay home.
+    cfg = subtasks.SubtaskConfig(tasks=2, group_tokens=4, dim=4, hidden=4)
+    assert subtasks.balance_bound(cfg, groups=200_000) == pytest.approx(1 - 0.75 / 4, abs=0.003)
+    # The bound on the very test groups holds for every hard allocation, trained or not.
+    for router in ("softmax_token_choice", "sinkhorn_token_choice", "softmax_expert_choice",
+                   "sparsity_constrained_expert_choice"):
+        cfg = subtasks.SubtaskConfig(router=router, tasks=4, dim=8, hidden=8, group_tokens=32, frequencies="skewed")
+        teacher, layer = _oracle(cfg)
+        layer.router.capacity_factor = 1.0  # back to C = T / E: now the capacity binds
+        x, y, task = teacher.sample(np.random.default_rng(1), 16)
+        n = np.stack([(task == k).sum(-1) for k in range(4)], -1)  # [G, K]
+        exact = 1 - np.maximum(n - 8, 0).sum() / task.size
+        metrics = subtasks.evaluate_layer(layer, x, y, task, cfg.tasks)
+        assert metrics["routing_accuracy"] <= exact + 1e-12
+        weight, hits = subtasks.routing(layer, x)
+        assert subtasks.assignment_counts(weight, hits, task, 4).sum() == task.size - round(
+            metrics["unprocessed"] * task.size)
