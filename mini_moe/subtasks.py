@@ -379,3 +379,18 @@ def plot_curves(results: dict, *, frequencies: str, capacity: float = 1.0,
     fig.suptitle(f"{frequencies} sub-task frequencies, c = {capacity:g}; mean over seeds", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def slot_purity(layer: SubtaskLayer, x: np.ndarray, task: np.ndarray, num_tasks: int) -> float:
+    """For any routing (meant for Soft MoE): the mean over slots of the largest share of the
+    slot's dispatch weight that comes from one sub-task. 1 when every slot draws from a single
+    sub-task (always true for a sparse routing: one token per slot); ``1 / K`` when slots mix
+    all sub-tasks evenly. Empty slots are left out."""
+    layer.eval()
+    dispatch = np.asarray(layer.router(jnp.asarray(x)).routing.dispatch)  # [G, T, E, S]
+    layer.train()
+    onehot = np.eye(num_tasks)[task]  # [G, T, K]
+    mass = np.einsum("gtk,gtes->gkes", onehot, dispatch)  # each slot's weight per sub-task
+    total = mass.sum(1)
+    used = total > 0
+    return float((mass.max(1)[used] / total[used]).mean())

@@ -1,5 +1,7 @@
 """The mechanisms of the router study (evaluate.mechanisms) and the controlled sub-task experiment."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -137,3 +139,16 @@ def test_balance_bound_by_hand_and_no_hard_allocation_beats_it():
         weight, hits = subtasks.routing(layer, x)
         assert subtasks.assignment_counts(weight, hits, task, 4).sum() == task.size - round(
             metrics["unprocessed"] * task.size)
+
+
+def test_slot_purity_is_one_for_sparse_routings_and_one_over_k_for_uniform_mixing():
+    cfg = subtasks.SubtaskConfig(router="softmax_expert_choice", tasks=4, dim=8, hidden=8, group_tokens=32,
+                                 frequencies="uniform")
+    teacher, layer = _oracle(cfg)
+    x, _, task = teacher.sample(np.random.default_rng(2), 4)
+    assert subtasks.slot_purity(layer, x, task, 4) == 1.0
+    soft = subtasks.SubtaskLayer(dataclasses.replace(cfg, router="soft_moe"), rngs=nnx.Rngs(0))
+    soft.router.phi[...] = np.zeros_like(soft.router.phi[...])  # equal logits: every slot averages all tokens
+    # Balanced groups (8 tokens of each sub-task): uniform mixing gives exactly 1/K.
+    task = np.tile(np.repeat(np.arange(4), 8), (4, 1))
+    assert subtasks.slot_purity(soft, x, task, 4) == pytest.approx(0.25)
