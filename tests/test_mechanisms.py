@@ -152,3 +152,29 @@ def test_slot_purity_is_one_for_sparse_routings_and_one_over_k_for_uniform_mixin
     # Balanced groups (8 tokens of each sub-task): uniform mixing gives exactly 1/K.
     task = np.tile(np.repeat(np.arange(4), 8), (4, 1))
     assert subtasks.slot_purity(soft, x, task, 4) == pytest.approx(0.25)
+
+
+def test_paired_and_pairwise_are_oriented_and_holm_adjusted():
+    from scipy import stats
+
+    def run(router, freq, seed, fvu):
+        cfg = dataclasses.asdict(subtasks.SubtaskConfig(router=router, frequencies=freq, seed=seed))
+        return {"config": cfg, "final": {"step": 1, "fvu": fvu}, "curve": []}
+
+    a = [0.10, 0.12, 0.11, 0.13]
+    b = [0.30, 0.25, 0.35, 0.28]
+    d = [0.40, 0.41, 0.39, 0.42]
+    results = {"runs": [run("softmax_expert_choice", "uniform", s, a[s]) for s in range(4)]
+               + [run("softmax_token_choice", "uniform", s, b[s]) for s in range(4)]
+               + [run("dense", "uniform", s, d[s]) for s in range(4)]}
+    out = subtasks.paired(results, "softmax_expert_choice", "softmax_token_choice", frequencies="uniform")
+    assert out["difference"] == pytest.approx(np.mean(np.array(b) - np.array(a)))  # positive: the first is better
+    assert out["p_value"] == pytest.approx(stats.ttest_rel(b, a).pvalue)
+    rows = subtasks.pairwise(results)
+    assert [(r["better"], r["worse"]) for r in rows] == [
+        ("softmax_expert_choice", "softmax_token_choice"), ("softmax_expert_choice", "dense"),
+        ("softmax_token_choice", "dense")]
+    from mini_moe import study
+    assert [r["p_holm"] for r in rows] == pytest.approx(study.holm([r["p_value"] for r in rows]))
+    with pytest.raises(ValueError, match="No seed"):
+        subtasks.paired(results, "softmax_expert_choice", "soft_moe", frequencies="uniform")
