@@ -1,7 +1,13 @@
-"""Auxiliary losses that balance Softmax Token Choice (paper 000, Appendix A).
+"""Auxiliary losses for routers.
 
-Both are the squared coefficient of variation (population std / mean) of a per-expert
-quantity, computed per group and averaged over groups.
+* V-MoE's balancing losses (paper 000, Appendix A): :func:`importance_loss` and
+  :func:`load_loss`, each the squared coefficient of variation (population std / mean) of a
+  per-expert quantity, computed per group and averaged over groups.
+* The Switch Transformer / GShard balancing loss :func:`switch_loss` (Fedus et al. 2022,
+  eq. 4-6; Lepikhin et al. 2021), used by most language MoEs.
+* The router z-loss :func:`z_loss` (Zoph et al. 2022, ST-MoE, eq. 5), which keeps the
+  router's logits small.
+* Pairwise Router Consistency :func:`pairwise_router_consistency` (paper 004).
 """
 
 from __future__ import annotations
@@ -57,6 +63,47 @@ def load_loss(logits: Array, noisy_logits: Array, *, k: int, noise_std: float) -
     sigma = noise_std / num_experts
     load = jax.scipy.stats.norm.cdf((logits - threshold) / sigma).sum(axis=-2)  # [..., E]
     return jnp.mean(cv_squared(load))
+
+
+def switch_loss(probs: Array, *, k: int = 1) -> Array:
+    """Switch Transformer / GShard balancing loss ``E * sum_i f_i P_i``.
+
+    ``f_i`` is the fraction of the group's top-k picks that go to expert i (the argmax picks,
+    before any capacity limit; divided by k so that ``sum_i f_i = 1``) and ``P_i`` the mean
+    routing probability of expert i. ``f`` is piecewise constant, so the gradient flows through
+    ``P`` only: ``dL/dP_i = E f_i`` lowers the probability of the experts that receive most
+    tokens. The value is 1 when picks and probabilities are uniform and E when every token
+    picks one expert with certainty.
+
+    Args:
+      probs: routing probabilities ``[..., T, E]`` (rows sum to 1; the ones used to route).
+      k: experts per token.
+
+    Returns:
+      Scalar, averaged over leading (group) axes.
+    """
+    num_experts = probs.shape[-1]
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"k must be in [1, E={num_experts}], got k={k!r}.")
+    picks = jax.lax.top_k(probs, k)[1]  # [..., T, k]
+    fraction = jax.nn.one_hot(picks, num_experts, dtype=probs.dtype).sum(-2).mean(-2) / k  # [..., E]
+    mean_prob = probs.mean(-2)  # [..., E]
+    return jnp.mean(num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob, axis=-1))
+
+
+def z_loss(logits: Array) -> Array:
+    """Router z-loss, ``mean_t (logsumexp_i logits[t, i])^2`` (ST-MoE, eq. 5).
+
+    Penalises large router logits, which make the softmax saturate and round-off errors in
+    low precision large, without preferring any expert.
+
+    Args:
+      logits: router logits ``[..., T, E]``.
+
+    Returns:
+      Scalar, averaged over tokens and leading (group) axes.
+    """
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
 def pairwise_router_consistency(probs1: Array, probs2: Array, index: Array, valid: Array, *,

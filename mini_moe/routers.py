@@ -143,18 +143,32 @@ class SoftmaxTokenChoice(Router, _TokenChoiceOptions):
       capacity_factor: C = round(capacity_factor * T / E); default k.
       noise_std: training noise N(0, (noise_std / E)^2) on the logits (V-MoE: 1).
       batch_priority: Batch Priority Routing.
-      balance_loss: add (importance + load) / 2 as the auxiliary loss (Appendix A);
-        ``False`` shows the collapse the losses prevent.
+      balance_loss: the balancing term of the auxiliary loss: ``"importance_load"`` (or
+        ``True``; V-MoE's (importance + load) / 2, Appendix A), ``"switch"`` (the Switch
+        Transformer / GShard loss, :func:`mini_moe.losses.switch_loss`) or ``"none"`` (or
+        ``False``; shows the collapse the losses prevent).
+      z_loss: weight of the router z-loss (ST-MoE) inside the auxiliary loss, relative to the
+        balancing term (ST-MoE uses 1e-3 against 1e-2, i.e. 0.1); 0 turns it off.
+
+    Every loss is also reported in the metrics, whichever of them is trained.
     """
 
+    BALANCE_LOSSES = ("importance_load", "switch", "none")
+
     def __init__(self, dim, num_experts, *, k=1, capacity_factor=None, noise_std=1.0,
-                 batch_priority=False, balance_loss=True, deterministic=False, rngs: nnx.Rngs):
+                 batch_priority=False, balance_loss=True, z_loss=0.0, deterministic=False, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
         self._set_token_choice(k, capacity_factor, batch_priority)
         if noise_std < 0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std!r}.")
         self.noise_std = float(noise_std)
-        self.balance_loss = bool(balance_loss)
+        if isinstance(balance_loss, bool):
+            balance_loss = "importance_load" if balance_loss else "none"
+        if balance_loss not in self.BALANCE_LOSSES:
+            raise ValueError(f"balance_loss must be one of {self.BALANCE_LOSSES} (or True/False), got {balance_loss!r}.")
+        if not z_loss >= 0:
+            raise ValueError(f"z_loss must be >= 0, got {z_loss!r}.")
+        self.balance_loss, self.z_loss = balance_loss, float(z_loss)
         self.deterministic = deterministic
         self.rngs = rngs["noise"].fork()
 
@@ -169,8 +183,11 @@ class SoftmaxTokenChoice(Router, _TokenChoiceOptions):
         importance = losses.importance_loss(logits)
         load = (losses.load_loss(logits, noisy, k=self.k, noise_std=self.noise_std)
                 if self.noise_std > 0 else importance)
-        aux = (importance + load) / 2 if self.balance_loss else 0.0
-        return self._output(rt, probs, aux, importance_loss=importance, load_loss=load)
+        switch = losses.switch_loss(probs, k=self.k)
+        z = losses.z_loss(logits)
+        aux = {"importance_load": (importance + load) / 2, "switch": switch, "none": 0.0}[self.balance_loss]
+        aux = aux + self.z_loss * z
+        return self._output(rt, probs, aux, importance_loss=importance, load_loss=load, switch_loss=switch, z_loss=z)
 
 
 class _SinkhornOptions:

@@ -1,4 +1,5 @@
-"""Tests of mini_moe.losses: the auxiliary balancing losses of paper 000, Appendix A.
+"""Tests of mini_moe.losses: the auxiliary balancing losses of paper 000, Appendix A, the
+Switch Transformer / GShard loss and the ST-MoE router z-loss.
 
 Conventions (DESIGN Sec. 3, from google-research/vmoe): CV^2 uses the population std;
 the load loss's noise has std noise_std / E; losses are computed per group (leading axes)
@@ -163,6 +164,58 @@ def test_load_loss_rejects_non_positive_noise(noise_std):
     logits = np.zeros((4, 2), np.float32)
     with pytest.raises(ValueError, match="noise_std"):
         losses.load_loss(logits, logits, k=1, noise_std=noise_std)
+
+
+# ------------------------------------------------------------------- switch and z-loss
+
+
+def test_switch_loss_hand_computed():
+    probs = np.array([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]], np.float32)
+    # top-1 picks 0, 0, 1, 0: f = (3/4, 1/4); mean probabilities P = (0.65, 0.35)
+    # E * sum f P = 2 * (0.75 * 0.65 + 0.25 * 0.35) = 1.15
+    np.testing.assert_allclose(float(losses.switch_loss(probs)), 1.15, rtol=1e-6)
+    # k = 2 with two experts: every token picks both, f = (1/2, 1/2), loss = 2 * (0.5 * 0.65 + 0.5 * 0.35) = 1
+    np.testing.assert_allclose(float(losses.switch_loss(probs, k=2)), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_switch_loss_matches_numpy_and_bounds(k):
+    rng = np.random.default_rng(k)
+    logits = rng.normal(size=(3, 16, 4)).astype(np.float32)
+    probs = _softmax_np(logits)
+    picks = np.argsort(-probs, axis=-1)[..., :k]
+    fraction = np.stack([(picks == i).sum(axis=(-1, -2)) for i in range(4)], -1) / (16 * k)
+    expected = np.mean(4 * np.sum(fraction * probs.mean(-2), -1))
+    got = float(losses.switch_loss(probs.astype(np.float32), k=k))
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    # uniform probabilities: P_i = 1/E, so the loss is exactly 1 whatever the (tied) picks
+    np.testing.assert_allclose(float(losses.switch_loss(np.full((8, 4), 0.25, np.float32), k=k)), 1.0, rtol=1e-6)
+    # collapse: every token certain of expert 0 gives the maximum, E
+    collapsed = np.tile(np.array([1.0, 0.0, 0.0, 0.0], np.float32), (8, 1))
+    np.testing.assert_allclose(float(losses.switch_loss(collapsed)), 4.0, rtol=1e-6)
+
+
+def test_switch_loss_gradient_is_E_times_fraction_through_the_mean_probability():
+    probs = jnp.asarray(np.array([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]], np.float32))
+    g = np.asarray(jax.grad(losses.switch_loss)(probs))
+    # d/dprobs[t, i] = E * f_i / T, the same for every token: f = (3/4, 1/4), E = 2, T = 4
+    np.testing.assert_allclose(g, np.tile([[2 * 0.75 / 4, 2 * 0.25 / 4]], (4, 1)), rtol=1e-6)
+
+
+def test_switch_loss_rejects_bad_k():
+    with pytest.raises(ValueError, match="k must be in"):
+        losses.switch_loss(np.full((4, 2), 0.5, np.float32), k=3)
+
+
+def test_z_loss_hand_computed():
+    # one token with logits (0, 0): logsumexp = log 2, z = (log 2)^2
+    np.testing.assert_allclose(float(losses.z_loss(np.zeros((1, 2), np.float32))), np.log(2) ** 2, rtol=1e-6)
+    logits = np.array([[[1.0, 2.0, 3.0], [0.0, -1.0, 4.0]]], np.float32)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    np.testing.assert_allclose(float(losses.z_loss(logits)), np.mean(lse**2), rtol=1e-6)
+    # its gradient is 2 * lse * softmax / (number of tokens): it shrinks every logit of a token
+    g = np.asarray(jax.grad(losses.z_loss)(jnp.asarray(logits)))
+    np.testing.assert_allclose(g, 2 * lse[..., None] * _softmax_np(logits) / 2, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------- gradients

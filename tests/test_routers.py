@@ -80,6 +80,15 @@ def test_softmax_token_choice_noise_and_losses():
     np.testing.assert_allclose(c.aux_loss, (c.metrics["importance_loss"] + c.metrics["load_loss"]) / 2)
     off = _make("softmax_token_choice", balance_loss=False)
     assert float(off(x).aux_loss) == 0.0
+    switch = _make("softmax_token_choice", k=2, balance_loss="switch", z_loss=0.1, deterministic=True)
+    s = switch(x)
+    np.testing.assert_allclose(s.metrics["switch_loss"], losses.switch_loss(jax.nn.softmax(logits), k=2), rtol=1e-6)
+    np.testing.assert_allclose(s.metrics["z_loss"], losses.z_loss(logits), rtol=1e-6)
+    np.testing.assert_allclose(s.aux_loss, s.metrics["switch_loss"] + 0.1 * s.metrics["z_loss"], rtol=1e-6)
+    with pytest.raises(ValueError, match="balance_loss must be one of"):
+        _make("softmax_token_choice", balance_loss="gshard")
+    with pytest.raises(ValueError, match="z_loss must be >= 0"):
+        _make("softmax_token_choice", z_loss=-1.0)
 
 
 def test_softmax_token_choice_noise_has_std_noise_std_over_e():
