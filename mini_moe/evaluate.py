@@ -9,6 +9,8 @@
   corresponding patches, and how often their top-1 / top-2 / unordered top-2 experts match.
 * :func:`mechanisms` — what decides accuracy between routers: dropped and unprocessed tokens,
   experts per token, load balance, batch dependence and routing stability, per MoE layer.
+* :func:`group_dependence` — one router and MoE layer: how often an image's tokens get a
+  different layer output when the other images of its routing group change.
 * :func:`expert_maps` and :func:`plot_expert_maps` — which expert each patch went to.
 
 All functions run the model in eval mode (no router noise) and leave every module in the
@@ -26,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from mini_moe import data as data_lib
-from mini_moe import parallel
+from mini_moe import layer, parallel
 
 Array = Any
 
@@ -231,6 +233,54 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
             "stability_top2": float(stable["top2"]),
         })
     return {"batch_dependence": float(np.mean(preds != shuffled)), "layers": out}
+
+
+def group_dependence(router, experts, images: Array, *, group_images: int, trials: int = 8, seed: int = 0,
+                     rtol: float = 1e-4) -> float:
+    """How much one image's MoE-layer output depends on the other images of its routing group.
+
+    Image 0 of ``images`` is routed in ``trials`` groups of ``group_images`` images, the other
+    members drawn at random from ``images[1:]`` each time (without replacement within a group)
+    and image 0 placed at a random position in the group (Token Choice without Batch Priority
+    Routing serves earlier tokens first, so the position is part of the group).
+    A token of image 0 counts as changed in a trial when its output of eq. (2) differs from its
+    output in the first group by more than ``rtol`` times that output's norm (a token dropped in
+    both groups has output 0 in both and is unchanged). ``group_images=1`` routes image 0 alone,
+    the grouping V-MoE uses for Soft MoE: then nothing can change.
+
+    Args:
+      router: a router (called in eval mode, restored afterwards) mapping ``[T, D]`` tokens to a
+        :class:`~mini_moe.routers.RouterOutput`.
+      experts: the experts, ``[E, N, D] -> [E, N, D_out]`` (see :func:`mini_moe.layer.moe`).
+      images: ``[N, P, D]`` tokens of N images (N >= group_images).
+      group_images: images per routing group (>= 1).
+      trials: groups to route image 0 in (>= 2).
+
+    Returns:
+      The fraction of (trial, token) pairs of image 0, over trials 2..``trials``, whose output changed.
+    """
+    images = jnp.asarray(images)
+    if images.ndim != 3:
+        raise ValueError(f"images must be token arrays [N, P, D], got shape {images.shape}.")
+    if not (isinstance(group_images, int) and 1 <= group_images <= images.shape[0]):
+        raise ValueError(f"group_images must be an int in [1, N={images.shape[0]}], got {group_images!r}.")
+    if not (isinstance(trials, int) and trials >= 2):
+        raise ValueError(f"trials must be an int >= 2, got {trials!r}.")
+    rng = np.random.default_rng(seed)
+    num_patches = images.shape[1]
+    outputs = []
+    with _eval_mode(router):
+        for _ in range(trials):
+            members = rng.choice(np.arange(1, images.shape[0]), group_images - 1, replace=False)
+            position = int(rng.integers(group_images))  # where image 0 sits in the group
+            members = np.insert(members, position, 0)
+            group = images[members].reshape(group_images * num_patches, -1)
+            y = layer.moe(group, router(group).routing, experts)
+            outputs.append(np.asarray(y[position * num_patches:(position + 1) * num_patches], np.float64))
+    reference = outputs[0]
+    scale = np.linalg.norm(reference, axis=-1)
+    changed = [np.linalg.norm(y - reference, axis=-1) > rtol * np.maximum(scale, 1e-12) for y in outputs[1:]]
+    return float(np.mean(changed))
 
 
 def expert_maps(model, images: np.ndarray) -> np.ndarray:
