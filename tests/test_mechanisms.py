@@ -178,3 +178,51 @@ def test_paired_and_pairwise_are_oriented_and_holm_adjusted():
     assert [r["p_holm"] for r in rows] == pytest.approx(study.holm([r["p_value"] for r in rows]))
     with pytest.raises(ValueError, match="No seed"):
         subtasks.paired(results, "softmax_expert_choice", "soft_moe", frequencies="uniform")
+
+
+# ------------------------------------------------------------------ group dependence
+
+
+def _group_pool(num_images=16, patches=8, dim=16):
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(6, dim)) * 2
+    return (centres[rng.integers(0, 6, (num_images, patches))] + rng.normal(size=(num_images, patches, dim))).astype(np.float32)
+
+
+def test_group_dependence_known_cases():
+    import mini_moe
+    from mini_moe import layer
+
+    pool = _group_pool()
+    experts = layer.MlpExperts(4, 16, 16, rngs=nnx.Rngs(1))
+
+    def dependence(name, group_images=4, **kw):
+        router = mini_moe.make_router(name, 16, 4, rngs=nnx.Rngs(0), **kw)
+        return evaluate.group_dependence(router, experts, pool, group_images=group_images, trials=6)
+
+    # buffers that hold the whole group: Token Choice depends on nothing but the token itself
+    assert dependence("softmax_token_choice", capacity_factor=4.0) == 0.0
+    # ... and Expert Choice with C = T takes every token
+    assert dependence("softmax_expert_choice", capacity_factor=4.0) == 0.0
+    # the Sinkhorn plan couples the group even then
+    assert dependence("sinkhorn_token_choice", capacity_factor=4.0) > 0.0
+    # tight buffers make Token Choice depend on the group
+    assert dependence("softmax_token_choice", capacity_factor=1.0) > 0.0
+    # Soft MoE: every token changes when routed with other images, none when routed alone
+    assert dependence("soft_moe") == 1.0
+    assert dependence("soft_moe", group_images=1) == 0.0
+
+
+def test_group_dependence_rejects_bad_arguments():
+    import mini_moe
+    from mini_moe import layer
+
+    pool = _group_pool(num_images=4)
+    router = mini_moe.make_router("softmax_token_choice", 16, 4, rngs=nnx.Rngs(0))
+    experts = layer.MlpExperts(4, 16, 16, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="group_images must be"):
+        evaluate.group_dependence(router, experts, pool, group_images=5)
+    with pytest.raises(ValueError, match="trials must be"):
+        evaluate.group_dependence(router, experts, pool, group_images=2, trials=1)
+    with pytest.raises(ValueError, match="images must be token arrays"):
+        evaluate.group_dependence(router, experts, pool[0], group_images=2)
