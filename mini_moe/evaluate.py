@@ -9,6 +9,7 @@
   corresponding patches, and how often their top-1 / top-2 / unordered top-2 experts match.
 * :func:`mechanisms` — what decides accuracy between routers: dropped and unprocessed tokens,
   experts per token, load balance, batch dependence and routing stability, per MoE layer.
+* :func:`dispatch_mass` — how much of each patch reaches the experts (Soft MoE's "soft dropping").
 * :func:`group_dependence` — one router and MoE layer: how often an image's tokens get a
   different layer output when the other images of its routing group change.
 * :func:`expert_maps` and :func:`plot_expert_maps` — which expert each patch went to.
@@ -186,6 +187,30 @@ def predictions_and_routing(model, images: np.ndarray, *, batch_size: int = 400)
             layers = [[x] for x in per_layer] if layers is None else [acc + [x] for acc, x in zip(layers, per_layer)]
     layers = [(np.concatenate([h for h, _ in acc]), np.concatenate([t for _, t in acc])) for acc in (layers or [])]
     return np.concatenate(preds), layers
+
+
+def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[np.ndarray]:
+    """Per MoE layer, ``[N, P]``: how much of each patch the experts receive.
+
+    The sum of the patch's dispatch weights over every slot of every expert, divided by the
+    share it would get if every slot took every token of its group equally (slots / tokens per
+    group). 1 is an average patch. For a sparse router the sum counts the slots that hold the
+    patch (0: dropped); for Soft MoE, whose slots are weighted averages of all of an image's
+    tokens, a value near 0 means the patch reaches no slot with a noticeable weight: it is
+    "softly dropped" (it still receives the combined output through eq. (2)).
+    """
+    cfg = model.cfg
+    layers = None
+    with _eval_mode(model):
+        for batch, n in _padded_batches(model, images, batch_size):
+            out = _forward(model, batch, return_routing=True)
+            per_layer = []
+            for rt in out.routings:
+                dispatch = np.asarray(rt.dispatch, np.float64)  # [groups, T, E, C]
+                uniform = dispatch.shape[-1] * dispatch.shape[-2] / dispatch.shape[-3]
+                per_layer.append((dispatch.sum((-1, -2)) / uniform).reshape(-1, cfg.num_patches)[:n])
+            layers = [[x] for x in per_layer] if layers is None else [acc + [x] for acc, x in zip(layers, per_layer)]
+    return [np.concatenate(acc) for acc in (layers or [])]
 
 
 def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 400,

@@ -295,6 +295,25 @@ def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", 
     return paired_t([statistics.fmean(d) for d in by_seed.values()], level=level)
 
 
+def verdict(row: dict, *, what: str = "", unit: str = "", scale: float = 1.0, digits: int = 2,
+            higher: str = "higher", lower: str = "lower", alpha: float = 0.05) -> str:
+    """A comparison's result in words, from a :func:`compare` / :func:`paired_t` row with ``p_holm``.
+
+    ``"no detectable difference (+0.12 points, p_Holm = 0.3)"`` when the Holm-adjusted p-value is
+    at least ``alpha``, else ``"higher by 0.52 points (95 % CI [+0.21, +0.83], p_Holm = 0.004)"``
+    (``lower`` for a negative difference). ``scale`` multiplies the difference and the interval
+    (100 for accuracies in points), ``what`` is put in front (``"FVU "``).
+    """
+    if "p_holm" not in row:
+        raise ValueError("row has no 'p_holm': adjust the family's p-values with holm() first.")
+    diff, p = scale * row["difference"], row["p_holm"]
+    if not p < alpha:
+        return f"no detectable difference ({what}{diff:+.{digits}f}{unit}, p_Holm = {p:.2g})"
+    word = higher if diff > 0 else lower
+    return (f"{what}{word} by {abs(diff):.{digits}f}{unit} (95 % CI [{scale * row['ci_low']:+.{digits}f}, "
+            f"{scale * row['ci_high']:+.{digits}f}], p_Holm = {p:.2g})")
+
+
 def paired_power(pairs: int, sd: float, difference: float, *, alpha: float = 0.05) -> float:
     """Power of the two-sided paired t-test: the probability that ``pairs`` paired seeds whose
     differences have standard deviation ``sd`` and mean ``difference`` give p < ``alpha``.

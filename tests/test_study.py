@@ -205,3 +205,17 @@ def test_ranking_agreement_is_kendall_tau_against_the_final_ranking():
     assert [r["step"] for r in out] == [100, 200, 300]
     assert out[0]["tau"] == pytest.approx(stats.kendalltau([0.1, 0.3, 0.2], [0.9, 0.8, 0.7]).statistic)
     assert out[1]["tau"] == pytest.approx(1.0) and out[2]["tau"] == pytest.approx(1.0)
+
+
+def test_verdict_words():
+    row = {"difference": 0.0052, "ci_low": 0.0021, "ci_high": 0.0083, "p_holm": 0.004}
+    assert study.verdict(row, unit=" points", scale=100) == "higher by 0.52 points (95 % CI [+0.21, +0.83], p_Holm = 0.004)"
+    worse = row | {"difference": -0.0052, "ci_low": -0.0083, "ci_high": -0.0021}
+    assert study.verdict(worse, unit=" points", scale=100, higher="better", lower="worse").startswith("worse by 0.52 points")
+    unclear = row | {"p_holm": 0.3, "difference": 0.0012}
+    assert study.verdict(unclear, unit=" points", scale=100) == "no detectable difference (+0.12 points, p_Holm = 0.3)"
+    assert study.verdict(row | {"p_holm": 0.05}).startswith("no detectable difference")  # alpha is exclusive
+    assert study.verdict({"difference": 0.0123, "ci_low": 0.01, "ci_high": 0.015, "p_holm": 0.01}, what="FVU ", digits=3,
+                         higher="lower", lower="higher").startswith("FVU lower by 0.012")
+    with pytest.raises(ValueError, match="p_holm"):
+        study.verdict({"difference": 0.1})
