@@ -226,3 +226,17 @@ def test_group_dependence_rejects_bad_arguments():
         evaluate.group_dependence(router, experts, pool, group_images=2, trials=1)
     with pytest.raises(ValueError, match="images must be token arrays"):
         evaluate.group_dependence(router, experts, pool[0], group_images=2)
+
+
+@pytest.mark.parametrize("router", ["softmax_token_choice", "softmax_expert_choice", "soft_moe"])
+def test_dispatch_mass(digits, router):
+    model = _model(router, 1.0)
+    images = digits[1].images[:40]
+    (mass,) = evaluate.dispatch_mass(model, images, batch_size=16)  # padded last batch
+    assert mass.shape == (40, model.cfg.num_patches) and np.all(mass >= 0)
+    if router == "soft_moe":  # each image's slots take one unit of mass each: the mean share is 1 per image
+        np.testing.assert_allclose(mass.mean(axis=1), 1.0, rtol=1e-5)
+        assert mass.min() > 0
+    else:  # the number of slots holding the patch, over E * C / T (= 1 at c = 1)
+        (hits, _), = evaluate.predictions_and_routing(model, images)[1]
+        np.testing.assert_allclose(mass, hits.sum(-1), atol=1e-6)
