@@ -255,7 +255,7 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
             "load_cv": _cv(np.bincount(top1.ravel(), minlength=cfg.num_experts).astype(float)),
             "processed_cv": _cv(hits.sum((0, 1)).astype(float)),
             "stability_top1": float(stable["top1"]),
-            "stability_top2": float(stable["top2"]),
+            "stability_top2": None if stable["top2"] is None else float(stable["top2"]),
         })
     return {"batch_dependence": float(np.mean(preds != shuffled)), "layers": out}
 
@@ -364,7 +364,7 @@ def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: i
     (and top-2) experts of its distribution are compared with those of the nearest
     view-2 patch. ``scale``, ``ratio`` and ``flip`` go to
     :func:`mini_moe.data.random_resized_crop`. Returns one dict per MoE layer: ``top1``, ``top2`` (both in order),
-    ``top2_unordered`` and ``pairs`` (number of patch pairs compared).
+    ``top2_unordered`` (None for a model with one expert) and ``pairs`` (number of patch pairs compared).
     """
     cfg = model.cfg
     rng = np.random.default_rng(seed)
@@ -385,14 +385,17 @@ def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: i
             for a, b in zip(p1, p2):
                 a = np.asarray(a)[:n]
                 b = np.take_along_axis(np.asarray(b)[:n], index[:n, :, None], axis=1)
+                if a.shape[-1] < 2:  # one expert: the top-1 always matches, there is no top-2
+                    a, b = np.concatenate([a, 0 * a], -1), np.concatenate([b, 0 * b], -1)
                 ta, tb = np.argsort(-a, -1)[..., :2], np.argsort(-b, -1)[..., :2]
                 top1 = ta[..., 0] == tb[..., 0]
                 top2 = top1 & (ta[..., 1] == tb[..., 1])
                 unordered = top2 | ((ta[..., 0] == tb[..., 1]) & (ta[..., 1] == tb[..., 0]))
                 layer_counts.append(np.array([top1[valid].sum(), top2[valid].sum(), unordered[valid].sum(), valid.sum()]))
             counts = layer_counts if counts is None else [c + d for c, d in zip(counts, layer_counts)]
-    return [{"top1": c[0] / max(c[3], 1), "top2": c[1] / max(c[3], 1), "top2_unordered": c[2] / max(c[3], 1),
-             "pairs": int(c[3])} for c in (counts or [])]
+    two = cfg.num_experts >= 2  # with one expert the top-2 ratios are undefined (None)
+    return [{"top1": c[0] / max(c[3], 1), "top2": c[1] / max(c[3], 1) if two else None,
+             "top2_unordered": c[2] / max(c[3], 1) if two else None, "pairs": int(c[3])} for c in (counts or [])]
 
 
 def order_views(v1, t1, v2, t2, *, out_size):

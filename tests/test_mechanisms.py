@@ -240,3 +240,11 @@ def test_dispatch_mass(digits, router):
     else:  # the number of slots holding the patch, over E * C / T (= 1 at c = 1)
         (hits, _), = evaluate.predictions_and_routing(model, images)[1]
         np.testing.assert_allclose(mass, hits.sum(-1), atol=1e-6)
+
+
+def test_mechanisms_with_one_expert(digits):
+    model = _model("soft_moe", 1.0, model_num_experts=1)  # one expert, 16 slots: no top-2 to compare
+    out = evaluate.mechanisms(model, digits[1].images[:32], batch_size=16, stability_images=16)
+    (layer,) = out["layers"]
+    assert layer["stability_top1"] == 1.0 and layer["stability_top2"] is None
+    assert layer["experts_per_token"] == 1 and layer["unprocessed"] == 0
