@@ -9,6 +9,8 @@
   corresponding patches, and how often their top-1 / top-2 / unordered top-2 experts match.
 * :func:`mechanisms` — what decides accuracy between routers: dropped and unprocessed tokens,
   experts per token, load balance, batch dependence and routing stability, per MoE layer.
+* :func:`perturbation_path` — paper 004 Figure 1: an image moved along a path of growing noise,
+  its class probabilities and the steps where its routing changes.
 * :func:`dispatch_mass` — how much of each patch reaches the experts (Soft MoE's "soft dropping").
 * :func:`group_dependence` — one router and MoE layer: how often an image's tokens get a
   different layer output when the other images of its routing group change.
@@ -187,6 +189,40 @@ def predictions_and_routing(model, images: np.ndarray, *, batch_size: int = 400)
             layers = [[x] for x in per_layer] if layers is None else [acc + [x] for acc, x in zip(layers, per_layer)]
     layers = [(np.concatenate([h for h, _ in acc]), np.concatenate([t for _, t in acc])) for acc in (layers or [])]
     return np.concatenate(preds), layers
+
+
+def perturbation_path(model, image: np.ndarray, companions: np.ndarray, direction: np.ndarray,
+                      alphas, *, batch_size: int = 512) -> dict:
+    """Paper 004, Figure 1: follow ``image + alpha * direction`` for each ``alpha`` in ``alphas``.
+
+    At every point the perturbed image is routed in a group with the same ``companions`` (the
+    other ``group_images - 1`` images of its routing group never change, so only the image
+    itself moves). Returns ``{"probs": [A, classes]`` softmax outputs for the image,
+    ``"changes": [A - 1]`` whether the set of (MoE layer, patch, expert) triples that process
+    the image differs between consecutive points, ``"alphas": [A]}``. Between two changes the
+    model is a smooth function of alpha; at a change its output can jump.
+    """
+    cfg = model.cfg
+    group = 1 if cfg.router == "soft_moe" else cfg.group_images
+    companions = np.asarray(companions)[: group - 1]
+    if len(companions) != group - 1:
+        raise ValueError(f"companions must hold group_images - 1 = {group - 1} images, got {len(companions)}.")
+    alphas = np.asarray(alphas, np.float32)
+    points = np.asarray(image)[None] + alphas[:, None, None, None] * np.asarray(direction)[None]
+    groups = np.concatenate([points[:, None], np.broadcast_to(companions, (len(alphas),) + companions.shape)], 1)
+    flat = groups.reshape((-1,) + points.shape[1:]).astype(np.float32)
+    per_batch = max(group, batch_size - batch_size % group)
+    probs, hits = [], []
+    with _eval_mode(model):
+        for start in range(0, len(flat), per_batch):
+            out = _forward(model, jnp.asarray(flat[start:start + per_batch]), return_routing=True)
+            probs.append(np.asarray(jax.nn.softmax(out.logits[::group], axis=-1)))
+            layers = [(np.asarray(rt.dispatch) > 0).any(-1).reshape(-1, cfg.num_patches, cfg.num_experts)[::group]
+                      for rt in out.routings]
+            hits.append(np.stack(layers, 1))  # [points, layers, P, E]
+    probs, hits = np.concatenate(probs), np.concatenate(hits)
+    changes = np.any(hits[1:] != hits[:-1], axis=(1, 2, 3))
+    return {"probs": probs, "changes": changes, "alphas": alphas}
 
 
 def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[np.ndarray]:

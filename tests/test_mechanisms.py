@@ -248,3 +248,28 @@ def test_mechanisms_with_one_expert(digits):
     (layer,) = out["layers"]
     assert layer["stability_top1"] == 1.0 and layer["stability_top2"] is None
     assert layer["experts_per_token"] == 1 and layer["unprocessed"] == 0
+
+
+def test_perturbation_path(digits):
+    images = digits[1].images
+    model = _model("softmax_token_choice", 1.0)
+    direction = np.random.default_rng(0).normal(size=images[0].shape).astype(np.float32)
+    alphas = np.linspace(0, 2.0, 41)
+    out = evaluate.perturbation_path(model, images[0], images[1:4], direction, alphas, batch_size=40)
+    assert out["probs"].shape == (41, 10) and out["changes"].shape == (40,)
+    np.testing.assert_allclose(out["probs"].sum(-1), 1.0, rtol=1e-5)
+    assert out["changes"].any()  # noise of scale 2 moves some patch to another expert
+    # point 0 is the clean image routed with its companions: the model's own prediction for it
+    grouped = np.concatenate([images[:1], images[1:4]])
+    model.eval()  # perturbation_path runs in eval mode (no router noise)
+    clean = np.asarray(jax.nn.softmax(model(grouped).logits[0]))
+    model.train()
+    np.testing.assert_allclose(out["probs"][0], clean, rtol=1e-4, atol=1e-6)
+    # no movement, no change
+    still = evaluate.perturbation_path(model, images[0], images[1:4], 0 * direction, alphas[:5])
+    assert not still["changes"].any() and np.ptp(still["probs"], axis=0).max() < 1e-6
+    # Soft MoE processes every patch with every expert: its routing never changes
+    soft = evaluate.perturbation_path(_model("soft_moe", 1.0), images[0], images[1:4], direction, alphas[:9])
+    assert not soft["changes"].any()
+    with pytest.raises(ValueError, match="companions must hold"):
+        evaluate.perturbation_path(model, images[0], images[1:3], direction, alphas)
