@@ -7,8 +7,10 @@ The pieces, in the order the book introduces them:
 * :mod:`mini_moe.transport` — affinity by optimal transport: Sinkhorn, the quadratic
   (SVMoE) plan, the sparsity-constrained plan of eq. (9).
 * :mod:`mini_moe.layer` — the MoE layer of eq. (2) and batched MLP experts.
-* :mod:`mini_moe.losses` — importance and load losses.
+* :mod:`mini_moe.losses` — importance and load losses, the Switch loss, the router z-loss,
+  Pairwise Router Consistency.
 * :mod:`mini_moe.routers` — trainable routers, created by name with ``make_router``.
+* :mod:`mini_moe.figures` — pictures of routing tensors, of eq. (2) and of expert parallelism.
 """
 
 from mini_moe import layer, losses, routers, routing, transport
