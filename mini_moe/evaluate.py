@@ -5,6 +5,7 @@
 * :func:`router_report` — per MoE layer over a dataset: tokens per expert, dropped
   tokens, experts per token, buffer fill, and router confidence (mean top-1, top-2 and
   the rest of each patch's expert distribution; paper 004 Table 5).
+* :func:`correspondence_matrices` — paper 004's matrix S of eq. (3), per MoE layer.
 * :func:`routing_stability` — paper 004 Table 4: two augmented views of each image,
   corresponding patches, and how often their top-1 / top-2 / unordered top-2 experts match.
 * :func:`mechanisms` — what decides accuracy between routers: dropped and unprocessed tokens,
@@ -32,6 +33,7 @@ from flax import nnx
 
 from mini_moe import data as data_lib
 from mini_moe import layer, parallel
+from mini_moe import losses as losses_lib
 
 Array = Any
 
@@ -391,6 +393,38 @@ def plot_expert_maps(images: np.ndarray, maps: np.ndarray, *, num_experts: int, 
     return fig
 
 
+def _view_pairs(model, images: np.ndarray, *, seed: int, batch_size: int, crop: dict):
+    """Per batch: two random views of each image (the higher-resolution one first), each view's
+    router distributions per MoE layer ``[n, P, E]``, and the patch correspondences
+    ``index, valid [n, P]`` (see :func:`mini_moe.data.patch_correspondence`)."""
+    cfg = model.cfg
+    rng = np.random.default_rng(seed)
+    with _eval_mode(model):
+        for batch, n in _padded_batches(model, images, batch_size):
+            batch = np.asarray(batch)
+            v1, t1 = data_lib.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)
+            v2, t2 = data_lib.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)
+            v1, t1, v2, t2 = order_views(v1, t1, v2, t2, out_size=cfg.image_size)
+            index, valid = data_lib.patch_correspondence(
+                t1, t2, out_size1=cfg.image_size, out_size2=cfg.image_size, patch_size=cfg.patch_size)
+            p1 = [np.asarray(p)[:n] for p in _forward(model, jnp.asarray(v1)).probs]
+            p2 = [np.asarray(p)[:n] for p in _forward(model, jnp.asarray(v2)).probs]
+            yield p1, p2, index[:n], valid[:n]
+
+
+def correspondence_matrices(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 128) -> list[np.ndarray]:
+    """Paper 004's ``S`` (eq. 3, :func:`mini_moe.losses.correspondence_matrix`) per MoE layer,
+    ``[E, E]``, over two random views of each of ``images`` (the views of :func:`routing_stability`)."""
+    sums, pairs = None, 0
+    for p1, p2, index, valid in _view_pairs(model, images, seed=seed, batch_size=batch_size,
+                                            crop=dict(scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), flip=True)):
+        count = int(valid.sum())
+        layer = [np.asarray(losses_lib.correspondence_matrix(a, b, index, valid), np.float64) * count for a, b in zip(p1, p2)]
+        sums = layer if sums is None else [x + y for x, y in zip(sums, layer)]
+        pairs += count
+    return [s / max(pairs, 1) for s in (sums or [])]
+
+
 def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 128,
                       scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True) -> list[dict]:
     """Paper 004 Table 4: expert-selection match ratios of corresponding patches.
@@ -403,32 +437,20 @@ def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: i
     ``top2_unordered`` (None for a model with one expert) and ``pairs`` (number of patch pairs compared).
     """
     cfg = model.cfg
-    rng = np.random.default_rng(seed)
     counts = None
-    with _eval_mode(model):
-        for batch, n in _padded_batches(model, images, batch_size):
-            batch = np.asarray(batch)
-            crop = dict(out_size=cfg.image_size, scale=scale, ratio=ratio, flip=flip)
-            v1, t1 = data_lib.random_resized_crop(rng, batch, **crop)
-            v2, t2 = data_lib.random_resized_crop(rng, batch, **crop)
-            v1, t1, v2, t2 = order_views(v1, t1, v2, t2, out_size=cfg.image_size)
-            index, valid = data_lib.patch_correspondence(
-                t1, t2, out_size1=cfg.image_size, out_size2=cfg.image_size, patch_size=cfg.patch_size)
-            p1 = _forward(model, jnp.asarray(v1)).probs
-            p2 = _forward(model, jnp.asarray(v2)).probs
-            valid = valid[:n]
-            layer_counts = []
-            for a, b in zip(p1, p2):
-                a = np.asarray(a)[:n]
-                b = np.take_along_axis(np.asarray(b)[:n], index[:n, :, None], axis=1)
-                if a.shape[-1] < 2:  # one expert: the top-1 always matches, there is no top-2
-                    a, b = np.concatenate([a, 0 * a], -1), np.concatenate([b, 0 * b], -1)
-                ta, tb = np.argsort(-a, -1)[..., :2], np.argsort(-b, -1)[..., :2]
-                top1 = ta[..., 0] == tb[..., 0]
-                top2 = top1 & (ta[..., 1] == tb[..., 1])
-                unordered = top2 | ((ta[..., 0] == tb[..., 1]) & (ta[..., 1] == tb[..., 0]))
-                layer_counts.append(np.array([top1[valid].sum(), top2[valid].sum(), unordered[valid].sum(), valid.sum()]))
-            counts = layer_counts if counts is None else [c + d for c, d in zip(counts, layer_counts)]
+    for p1, p2, index, valid in _view_pairs(model, images, seed=seed, batch_size=batch_size,
+                                            crop=dict(scale=scale, ratio=ratio, flip=flip)):
+        layer_counts = []
+        for a, b in zip(p1, p2):
+            b = np.take_along_axis(b, index[:, :, None], axis=1)
+            if a.shape[-1] < 2:  # one expert: the top-1 always matches, there is no top-2
+                a, b = np.concatenate([a, 0 * a], -1), np.concatenate([b, 0 * b], -1)
+            ta, tb = np.argsort(-a, -1)[..., :2], np.argsort(-b, -1)[..., :2]
+            top1 = ta[..., 0] == tb[..., 0]
+            top2 = top1 & (ta[..., 1] == tb[..., 1])
+            unordered = top2 | ((ta[..., 0] == tb[..., 1]) & (ta[..., 1] == tb[..., 0]))
+            layer_counts.append(np.array([top1[valid].sum(), top2[valid].sum(), unordered[valid].sum(), valid.sum()]))
+        counts = layer_counts if counts is None else [c + d for c, d in zip(counts, layer_counts)]
     two = cfg.num_experts >= 2  # with one expert the top-2 ratios are undefined (None)
     return [{"top1": c[0] / max(c[3], 1), "top2": c[1] / max(c[3], 1) if two else None,
              "top2_unordered": c[2] / max(c[3], 1) if two else None, "pairs": int(c[3])} for c in (counts or [])]

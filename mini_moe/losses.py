@@ -106,6 +106,21 @@ def z_loss(logits: Array) -> Array:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
+def correspondence_matrix(probs1: Array, probs2: Array, index: Array, valid: Array) -> Array:
+    """Paper 004's eq. (3): ``S = E / |U| * sum_{(p1, p2) in U} r(x1, p1) r(x2, p2)^T``, ``[E, E]``.
+
+    ``S[i, j]`` is E times the mean, over corresponding patch pairs, of the probability that the
+    view-1 patch picks expert i and its partner picks expert j. ``S = I`` exactly when the router is
+    confident (one-hot distributions), consistent (partners pick alike) and balanced (each expert
+    picked by 1/E of the patches). Arguments as in :func:`pairwise_router_consistency`.
+    """
+    num_experts = probs1.shape[-1]
+    partner = jnp.take_along_axis(probs2, index[..., None], axis=1)  # [B, P1, E]
+    weight = valid.astype(probs1.dtype)[..., None]
+    pairs = jnp.maximum(jnp.sum(valid), 1)
+    return num_experts / pairs * jnp.einsum("bpi,bpj->ij", probs1 * weight, partner)
+
+
 def pairwise_router_consistency(probs1: Array, probs2: Array, index: Array, valid: Array, *,
                                 lambda_diag: float = 5e-3, lambda_offdiag: float = 5e-2) -> Array:
     """Pairwise Router Consistency loss (paper 004, eq. 3-6).
@@ -130,10 +145,7 @@ def pairwise_router_consistency(probs1: Array, probs2: Array, index: Array, vali
     if index.shape != probs1.shape[:2] or valid.shape != probs1.shape[:2]:
         raise ValueError(f"index and valid must have shape {probs1.shape[:2]}, got {index.shape}, {valid.shape}.")
     num_experts = probs1.shape[-1]
-    partner = jnp.take_along_axis(probs2, index[..., None], axis=1)  # [B, P1, E]
-    weight = valid.astype(probs1.dtype)[..., None]
-    pairs = jnp.maximum(jnp.sum(valid), 1)
-    s = num_experts / pairs * jnp.einsum("bpi,bpj->ij", probs1 * weight, partner)
+    s = correspondence_matrix(probs1, probs2, index, valid)
     eye = jnp.eye(num_experts, dtype=s.dtype)
     diag = jnp.sum((1 - jnp.diag(s)) ** 2) * lambda_diag / num_experts
     offdiag = jnp.sum(((1 - eye) * s) ** 2) * lambda_offdiag / max(num_experts * (num_experts - 1), 1)

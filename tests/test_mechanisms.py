@@ -273,3 +273,14 @@ def test_perturbation_path(digits):
     assert not soft["changes"].any()
     with pytest.raises(ValueError, match="companions must hold"):
         evaluate.perturbation_path(model, images[0], images[1:3], direction, alphas)
+
+
+def test_correspondence_matrices_sum_to_E(digits):
+    model = _model("softmax_token_choice", 1.0)
+    (s,) = evaluate.correspondence_matrices(model, digits[1].images[:64], batch_size=32)
+    e = model.cfg.num_experts
+    assert s.shape == (e, e) and np.all(s >= 0)
+    # every distribution sums to one, so sum_ij p1_i p2_j = 1 per pair and S sums to E
+    np.testing.assert_allclose(s.sum(), e, rtol=1e-5)
+    # diagonal mass is E times the chance that partners agree under independent draws
+    assert 0 < np.trace(s) < e
