@@ -12,6 +12,7 @@
   experts per token, load balance, batch dependence and routing stability, per MoE layer.
 * :func:`perturbation_path` — paper 004 Figure 1: an image moved along a path of growing noise,
   its class probabilities and the steps where its routing changes.
+* :func:`group_routing` — the routing tensors ``[T, E, C]`` of one routing group of a trained model.
 * :func:`dispatch_mass` — how much of each patch reaches the experts (Soft MoE's "soft dropping").
 * :func:`group_dependence` — one router and MoE layer: how often an image's tokens get a
   different layer output when the other images of its routing group change.
@@ -225,6 +226,22 @@ def perturbation_path(model, image: np.ndarray, companions: np.ndarray, directio
     probs, hits = np.concatenate(probs), np.concatenate(hits)
     changes = np.any(hits[1:] != hits[:-1], axis=(1, 2, 3))
     return {"probs": probs, "changes": changes, "alphas": alphas}
+
+
+def group_routing(model, images: np.ndarray, *, layer: int = -1):
+    """The :class:`~mini_moe.routing.Routing` of the first routing group of ``images`` in MoE
+    layer ``layer`` (eval mode), with tensors ``[T, E, C]``: the first ``group_images`` images
+    for a sparse router, the first image for Soft MoE. Draw it with
+    :func:`mini_moe.figures.routing_heatmaps`."""
+    from mini_moe.routing import Routing
+
+    cfg = model.cfg
+    group = 1 if cfg.router == "soft_moe" else cfg.group_images
+    if len(images) < group:
+        raise ValueError(f"images must hold at least one routing group ({group} images), got {len(images)}.")
+    with _eval_mode(model):
+        rt = _forward(model, jnp.asarray(images[:group]), return_routing=True).routings[layer]
+    return Routing(np.asarray(rt.dispatch[0]), np.asarray(rt.combine[0]), sparse=rt.sparse)
 
 
 def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[np.ndarray]:

@@ -40,12 +40,12 @@ def routing_heatmaps(routing, title: str = "", *, annotate=("combine",)):
         raise ValueError(f"routing tensors must be [T, E, C] (one group), got {tensors['dispatch'].shape}.")
     num_tokens, num_experts, cap = tensors["dispatch"].shape
     dropped = ~(tensors["dispatch"] > 0).any(axis=(1, 2))
-    width, height = min(2.2 + 0.4 * num_experts * cap, 12), min(1.4 + 0.35 * num_tokens, 10)
-    side_by_side = num_experts * cap <= 8  # wide pictures go one above the other
+    small = num_tokens <= 40 and num_experts * cap <= 40  # room for tick labels and numbers
+    width, height = (2.2 + 0.4 * num_experts * cap, 1.4 + 0.35 * num_tokens) if small else (5.5, 4.5)
+    side_by_side = num_experts * cap <= 8 or not small  # wide labelled pictures go one above the other
     fig, axes = plt.subplots(1 if side_by_side else 2, 2 if side_by_side else 1,
                              figsize=(2 * width, height) if side_by_side else (width, 2 * height),
                              constrained_layout=True)
-    small = num_tokens <= 40 and num_experts * cap <= 40  # room for tick labels and numbers
     for ax, (name, tensor) in zip(axes, tensors.items()):
         flat = tensor.reshape(num_tokens, num_experts * cap)
         image = ax.imshow(flat, cmap="Greys" if name == "dispatch" else "viridis",

@@ -284,3 +284,19 @@ def test_correspondence_matrices_sum_to_E(digits):
     np.testing.assert_allclose(s.sum(), e, rtol=1e-5)
     # diagonal mass is E times the chance that partners agree under independent draws
     assert 0 < np.trace(s) < e
+
+
+def test_group_routing_is_the_first_group(digits):
+    model = _model("softmax_expert_choice", 1.0)
+    images = digits[1].images[:8]
+    rt = evaluate.group_routing(model, images)
+    g, p, e = model.cfg.group_images, model.cfg.num_patches, model.cfg.num_experts
+    assert rt.dispatch.shape[:2] == (g * p, e)
+    # Expert Choice at c = 1: every slot of every expert holds exactly one token
+    np.testing.assert_array_equal(rt.dispatch.sum(0), 1.0)
+    model.eval()
+    full = model(images[:g], return_routing=True).routings[-1]
+    model.train()
+    np.testing.assert_array_equal(rt.dispatch, np.asarray(full.dispatch[0]))
+    with pytest.raises(ValueError, match="at least one routing group"):
+        evaluate.group_routing(model, images[:1])
