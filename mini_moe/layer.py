@@ -10,6 +10,11 @@
   slot inputs are a gather of token rows and outputs a scatter-add, O(E * C * D).
 
 ``path="auto"`` picks gather for sparse routings and einsum for Soft MoE.
+
+:func:`moe_sorted` is the third way production systems use, outside eq. (2): dropless Token
+Choice with no buffers at all. The (token, expert) picks are sorted by expert and every expert
+multiplies its contiguous block of rows (a grouped matmul, ``jax.lax.ragged_dot``), so nothing
+is dropped and no slot is empty.
 """
 
 from __future__ import annotations
@@ -76,6 +81,46 @@ def moe(x: Array, routing: Routing, experts: Callable[[Array], Array], *, path: 
     return _scatter_add_rows(result, token.reshape(lead + (-1,)), contrib)
 
 
+def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
+               combine_scores: Array | None = None) -> Array:
+    """Dropless Token Choice by sorting: every token goes to its top-k experts, whatever the load.
+
+    Equal to :func:`moe` with Token Choice at a capacity of T (no drops) and ``combine_scores``
+    as combine weights, but with no ``[T, E, C]`` tensor and no buffer: the k picks of every token
+    are sorted by expert, each expert applies its MLP to its contiguous block of rows
+    (:meth:`MlpExperts.ragged`), and the weighted rows are scatter-added back to their tokens.
+    Leading (group) axes are flattened: without capacity, groups do not interact.
+
+    Args:
+      x: tokens ``[..., T, D]``.
+      scores: affinities ``[..., T, E]`` that choose the experts (top-k per token).
+      experts: :class:`MlpExperts` with E experts.
+      k: experts per token (1 <= k <= E).
+      combine_scores: ``[..., T, E]`` combine weights read at the picks (default: ``scores``).
+
+    Returns:
+      ``[..., T, D_out]``.
+    """
+    num_experts = experts.w1.shape[0]
+    if np.shape(scores)[:-1] != np.shape(x)[:-1] or np.shape(scores)[-1] != num_experts:
+        raise ValueError(f"scores must have shape {tuple(np.shape(x)[:-1]) + (num_experts,)} "
+                         f"(x's leading axes, E={num_experts}), got {np.shape(scores)}.")
+    if not (isinstance(k, int) and 1 <= k <= num_experts):
+        raise ValueError(f"k must be an int in [1, E={num_experts}], got {k!r}.")
+    weights = scores if combine_scores is None else combine_scores
+    tokens = x.reshape(-1, x.shape[-1])  # [N, D]
+    _, picks = jax.lax.top_k(scores.reshape(-1, num_experts), k)  # [N, k]
+    gates = jnp.take_along_axis(weights.reshape(-1, num_experts), picks, axis=-1)  # [N, k]
+    expert = picks.reshape(-1)  # [N k], pick j of token n at n * k + j
+    order = jnp.argsort(expert, stable=True)  # picks grouped by expert
+    token = order // k
+    group_sizes = jnp.bincount(expert, length=num_experts).astype(jnp.int32)
+    rows = experts.ragged(tokens[token], expert[order], group_sizes)  # [N k, D_out]
+    rows = rows * gates.reshape(-1)[order][:, None].astype(rows.dtype)
+    out = jnp.zeros((tokens.shape[0], rows.shape[-1]), rows.dtype).at[token].add(rows)
+    return out.reshape(x.shape[:-1] + (rows.shape[-1],))
+
+
 def _scatter_add_rows(base, index, rows):
     """base[..., index[..., j], :] += rows[..., j, :] over any leading axes (out-of-range rows dropped)."""
     flat_base = base.reshape((-1,) + base.shape[-2:])
@@ -100,6 +145,15 @@ class MlpExperts(nnx.Module):
         self.b1 = nnx.Param(jnp.zeros((num_experts, 1, hidden)))
         self.w2 = nnx.Param(init(rngs.params(), (num_experts, hidden, out_dim)))
         self.b2 = nnx.Param(jnp.zeros((num_experts, 1, out_dim)))
+
+    def ragged(self, rows: Array, expert: Array, group_sizes: Array) -> Array:
+        """Apply expert e to its block of ``rows`` ``[M, D]``, sorted by expert: the first
+        ``group_sizes[0]`` rows go through expert 0, the next ``group_sizes[1]`` through expert 1,
+        and so on (``expert [M]`` names each row's expert, for the biases). Two grouped matmuls
+        (``jax.lax.ragged_dot``); returns ``[M, D_out]``."""
+        h = jax.lax.ragged_dot(rows, self.w1[...], group_sizes) + self.b1[...][expert, 0]
+        h = jax.nn.gelu(h)
+        return jax.lax.ragged_dot(h, self.w2[...], group_sizes) + self.b2[...][expert, 0]
 
     def __call__(self, x: Array) -> Array:
         if x.ndim != 3 or x.shape[0] != self.w1.shape[0] or x.shape[-1] != self.w1.shape[1]:

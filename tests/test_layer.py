@@ -111,3 +111,42 @@ def test_bad_inputs(experts):
         layer.moe(x, routing.soft_routing(jnp.ones((8, E, 1))), experts, path="gather")
     with pytest.raises(ValueError, match="experts expect"):
         experts(jnp.ones((E + 1, 3, D)))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_moe_sorted_equals_dropless_token_choice(k):
+    from mini_moe import layer, routing
+
+    groups, T, D, E = 3, 16, 8, 4
+    x = jax.random.normal(jax.random.key(0), (groups, T, D))
+    scores = jax.nn.softmax(2 * jax.random.normal(jax.random.key(1), (groups, T, E)) + jnp.array([2.0, 0, 0, 0]))
+    experts = layer.MlpExperts(E, D, 12, rngs=nnx.Rngs(2))
+    # Token Choice with C = T drops nothing: eq. (2) through one-hot tensors is the reference.
+    reference = layer.moe(x, routing.token_choice(scores, capacity=T, k=k), experts, path="einsum")
+    np.testing.assert_allclose(layer.moe_sorted(x, scores, experts, k=k), reference, rtol=1e-5, atol=1e-5)
+
+    # and the gradients with respect to the tokens, the router scores and the expert weights
+    def loss(fn, params, x, scores):
+        model = nnx.merge(graphdef, params)
+        return jnp.sum(fn(x, scores, model) ** 2)
+
+    graphdef, params = nnx.split(experts)
+    sorted_fn = lambda x, s, m: layer.moe_sorted(x, s, m, k=k)  # noqa: E731
+    einsum_fn = lambda x, s, m: layer.moe(x, routing.token_choice(s, capacity=T, k=k), m, path="einsum")  # noqa: E731
+    g_sorted = jax.grad(lambda p, x, s: loss(sorted_fn, p, x, s), argnums=(0, 1, 2))(params, x, scores)
+    g_einsum = jax.grad(lambda p, x, s: loss(einsum_fn, p, x, s), argnums=(0, 1, 2))(params, x, scores)
+    for a, b in zip(jax.tree.leaves(g_sorted), jax.tree.leaves(g_einsum)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    # a popular expert overflows a buffer of T / E but not the sorted path: nothing is dropped
+    assert int(jnp.bincount(jnp.argmax(scores.reshape(-1, E), -1), length=E).max()) > groups * T // E
+
+
+def test_moe_sorted_rejects_bad_arguments():
+    from mini_moe import layer
+
+    experts = layer.MlpExperts(4, 8, 12, rngs=nnx.Rngs(2))
+    x = jnp.zeros((16, 8))
+    with pytest.raises(ValueError, match="scores must have shape"):
+        layer.moe_sorted(x, jnp.zeros((16, 3)), experts)
+    with pytest.raises(ValueError, match="k must be an int"):
+        layer.moe_sorted(x, jnp.zeros((16, 4)), experts, k=5)
