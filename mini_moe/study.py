@@ -451,7 +451,10 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=CAPACITIES, see
     if isinstance(done, (str, pathlib.Path)):
         done = json.loads(pathlib.Path(done).read_text()) if pathlib.Path(done).exists() else None
     finished = {(c["router"], c["capacity"], c["seed"]): c for c in (done or {}).get("cells", [])}
-    datasets = train.load_data(cell_config(None, 1, 0, dataset=dataset, scale=scale, **overrides))
+    if not plan:
+        raise ValueError("Nothing to run: pass at least one router (routers=...) or dense=True, and seeds.")
+    first_router, first_capacity, _ = plan[0]  # (a valid config: prc=True has no dense cell)
+    datasets = train.load_data(cell_config(first_router, first_capacity, 0, dataset=dataset, scale=scale, **overrides))
     cells, started = [], time.strftime("%Y-%m-%dT%H:%M:%S%z")
     for i, (router, capacity, seed) in enumerate(plan):
         name = cell_name(router, capacity, seed)

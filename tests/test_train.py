@@ -521,3 +521,15 @@ def test_evaluation_helpers_leave_the_model_mode_as_they_found_it(digits, helper
     if mode == "eval":  # still no router noise: the same input gives the same output
         images = jnp.asarray(digits[1].images[:8])
         np.testing.assert_array_equal(np.asarray(model(images).logits), np.asarray(model(images).logits))
+
+
+def test_study_trains_prc_cells_without_a_dense_baseline(tmp_path):
+    from mini_moe import study
+
+    tiny = {k: v for k, v in TINY.items() if k != "model_group_images"}
+    results = study.run_study(tmp_path, dataset="digits", routers=["softmax_token_choice"], capacities=(1.0,),
+                              seeds=(0,), dense=False, progress=False, augment=True, prc=True, **tiny)
+    (cell,) = results["cells"]
+    assert cell["router"] == "softmax_token_choice" and cell["steps"] == TINY["steps"]
+    with pytest.raises(ValueError, match="Nothing to run"):
+        study.run_study(tmp_path / "empty", dataset="digits", routers=[], dense=False, progress=False)
