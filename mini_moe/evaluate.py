@@ -35,6 +35,7 @@ from flax import nnx
 from mini_moe import data as data_lib
 from mini_moe import layer, parallel
 from mini_moe import losses as losses_lib
+from mini_moe import routing as routing_lib
 
 Array = Any
 
@@ -233,15 +234,13 @@ def group_routing(model, images: np.ndarray, *, layer: int = -1):
     layer ``layer`` (eval mode), with tensors ``[T, E, C]``: the first ``group_images`` images
     for a sparse router, the first image for Soft MoE. Draw it with
     :func:`mini_moe.figures.routing_heatmaps`."""
-    from mini_moe.routing import Routing
-
     cfg = model.cfg
     group = 1 if cfg.router == "soft_moe" else cfg.group_images
     if len(images) < group:
         raise ValueError(f"images must hold at least one routing group ({group} images), got {len(images)}.")
     with _eval_mode(model):
         rt = _forward(model, jnp.asarray(images[:group]), return_routing=True).routings[layer]
-    return Routing(np.asarray(rt.dispatch[0]), np.asarray(rt.combine[0]), sparse=rt.sparse)
+    return routing_lib.Routing(np.asarray(rt.dispatch[0]), np.asarray(rt.combine[0]), sparse=rt.sparse)
 
 
 def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[np.ndarray]:
@@ -255,7 +254,7 @@ def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[n
     "softly dropped" (it still receives the combined output through eq. (2)).
     """
     cfg = model.cfg
-    layers = None
+    batches = []  # per batch, per MoE layer: [n, P]
     with _eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             out = _forward(model, batch, return_routing=True)
@@ -264,8 +263,8 @@ def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[n
                 dispatch = np.asarray(rt.dispatch, np.float64)  # [groups, T, E, C]
                 uniform = dispatch.shape[-1] * dispatch.shape[-2] / dispatch.shape[-3]
                 per_layer.append((dispatch.sum((-1, -2)) / uniform).reshape(-1, cfg.num_patches)[:n])
-            layers = [[x] for x in per_layer] if layers is None else [acc + [x] for acc, x in zip(layers, per_layer)]
-    return [np.concatenate(acc) for acc in (layers or [])]
+            batches.append(per_layer)
+    return [np.concatenate(layer) for layer in zip(*batches)]
 
 
 def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 400,
@@ -410,6 +409,9 @@ def plot_expert_maps(images: np.ndarray, maps: np.ndarray, *, num_experts: int, 
     return fig
 
 
+VIEW_CROP = dict(scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), flip=True)  # paper 004's two random views
+
+
 def _view_pairs(model, images: np.ndarray, *, seed: int, batch_size: int, crop: dict):
     """Per batch: two random views of each image (the higher-resolution one first), each view's
     router distributions per MoE layer ``[n, P, E]``, and the patch correspondences
@@ -433,8 +435,7 @@ def correspondence_matrices(model, images: np.ndarray, *, seed: int = 0, batch_s
     """Paper 004's ``S`` (eq. 3, :func:`mini_moe.losses.correspondence_matrix`) per MoE layer,
     ``[E, E]``, over two random views of each of ``images`` (the views of :func:`routing_stability`)."""
     sums, pairs = None, 0
-    for p1, p2, index, valid in _view_pairs(model, images, seed=seed, batch_size=batch_size,
-                                            crop=dict(scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), flip=True)):
+    for p1, p2, index, valid in _view_pairs(model, images, seed=seed, batch_size=batch_size, crop=VIEW_CROP):
         count = int(valid.sum())
         layer = [np.asarray(losses_lib.correspondence_matrix(a, b, index, valid), np.float64) * count for a, b in zip(p1, p2)]
         sums = layer if sums is None else [x + y for x, y in zip(sums, layer)]
@@ -443,7 +444,7 @@ def correspondence_matrices(model, images: np.ndarray, *, seed: int = 0, batch_s
 
 
 def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 128,
-                      scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), flip: bool = True) -> list[dict]:
+                      scale=VIEW_CROP["scale"], ratio=VIEW_CROP["ratio"], flip: bool = VIEW_CROP["flip"]) -> list[dict]:
     """Paper 004 Table 4: expert-selection match ratios of corresponding patches.
 
     For each image, two random resized crops (+ flips) are drawn; the higher-resolution
