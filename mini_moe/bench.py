@@ -200,6 +200,65 @@ def soft_moe_expert_benchmarks(repeats: int, total_slots: int = 256, images: int
     return results
 
 
+#: Shapes of the sparsity-constrained solver benchmark: (groups, tokens per group, D, E). ``g1024``
+#: is 8 groups of 1024 tokens; ``b32`` a B/32-like batch (8 images x 49 tokens in each group).
+SOLVER_SHAPES = {"g1024": (8, 1024, 768, 32), "b32": (8, 392, 768, 32)}
+
+
+def _pot_semi_dual_optimum(scores, max_nonzeros: int) -> dict:
+    """POT's optimum of eq. (9)'s relaxations for one group ``[T, E]`` (``ot.smooth``, L-BFGS-B):
+    the semi-dual and the dual, converted to our semi-dual F (minimised; POT maximises -F)."""
+    try:
+        import ot
+    except ImportError as e:  # POT is a test dependency, not a runtime one
+        raise ValueError("The sparsity_solver benchmark compares with POT: pip install -e '.[test]'.") from e
+    import numpy as np
+
+    scores = np.asarray(scores, np.float64)
+    num_tokens, num_experts = scores.shape
+    a, b = np.ones(num_tokens), np.full(num_experts, num_tokens / num_experts)
+    regul = ot.smooth.SparsityConstrained(max_nz=int(max_nonzeros), gamma=1.0)
+    _, semi = ot.smooth.solve_semi_dual(a, b, -scores, regul, tol=1e-10, max_iter=5000)
+    _, _, dual = ot.smooth.solve_dual(a, b, -scores, regul, tol=1e-10, max_iter=5000)
+    return {"semi_dual": float(semi.fun), "dual": float(dual.fun), "best": float(min(semi.fun, dual.fun))}
+
+
+def sparsity_solver_benchmarks(repeats: int, pot_groups: int = 2) -> list[dict]:
+    """The sparsity-constrained Expert Choice router against Softmax Expert Choice, forward +
+    backward in one run, at :data:`SOLVER_SHAPES` and capacity factors 1 and 2; the solver's
+    mean token-marginal error and semi-dual objective F, and F's gap to POT's optimum (the
+    lower of its semi-dual and dual optima, on the first ``pot_groups`` groups)."""
+    from mini_moe import transport
+
+    results = []
+    for shape, (groups, tokens, dim, experts) in SOLVER_SHAPES.items():
+        x = jax.random.normal(jax.random.PRNGKey(0), (groups, tokens, dim))
+        for factor in (1.0, 2.0):
+            row = {"shape": shape, "groups": groups, "tokens": tokens, "dim": dim, "experts": experts,
+                   "capacity_factor": factor}
+            for name in ("softmax_expert_choice", "sparsity_constrained_expert_choice"):
+                router = routers_lib.make_router(name, dim, experts, capacity_factor=factor, rngs=nnx.Rngs(0))
+                row[f"{name}_ms"] = round(time_fn(_fwd_bwd(_routing_output), router, x, repeats=repeats), 3)
+            row["ratio"] = round(row["sparsity_constrained_expert_choice_ms"] / row["softmax_expert_choice_ms"], 3)
+            probs = jax.nn.softmax(router.logits(x), axis=-1)
+            cap = router._capacity(tokens)
+            for label, options in (("router", dict(tol=router.tol, max_iters=router.max_iters)), ("default", {})):
+                _, info = transport.sparsity_constrained_plan(probs, max_nonzeros=cap, return_info=True, **options)
+                row[f"{label}_iterations"] = int(jnp.max(info.iterations))
+                row[f"{label}_mean_marginal_error"] = round(float(jnp.mean(info.mean_marginal_error)), 4)
+                pot = [_pot_semi_dual_optimum(probs[g], cap)["best"] for g in range(pot_groups)] if label == "router" else pot
+                gaps = [float(info.objective[g]) - pot[g] for g in range(pot_groups)]
+                row[f"{label}_objective_gap"] = [round(g, 5) for g in gaps]
+                row[f"{label}_objective_relative_gap"] = [round(g / abs(p), 7) for g, p in zip(gaps, pot)]
+            row["pot_objective"] = [round(p, 5) for p in pot]
+            results.append(row)
+            print(f"  solver {shape:5s} c={factor:g} EC {row['softmax_expert_choice_ms']:8.2f} ms  sparse "
+                  f"{row['sparsity_constrained_expert_choice_ms']:8.2f} ms  x{row['ratio']:.2f}  "
+                  f"error {row['router_mean_marginal_error']:.4f}  F gap {row['router_objective_relative_gap']}",
+                  flush=True)
+    return results
+
+
 def training_benchmarks(repeats: int) -> list[dict]:
     from mini_moe import config as config_lib
     from mini_moe import train as train_lib
@@ -227,7 +286,8 @@ def training_benchmarks(repeats: int) -> list[dict]:
 
 #: The parts of :func:`run`, in order; ``python -m mini_moe bench --only`` offers these names.
 PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks,
-         "soft_moe_experts": soft_moe_expert_benchmarks, "training": training_benchmarks}
+         "soft_moe_experts": soft_moe_expert_benchmarks, "training": training_benchmarks,
+         "sparsity_solver": sparsity_solver_benchmarks}
 
 
 def run(repeats: int = 20, only: str | None = None) -> dict:
@@ -254,6 +314,9 @@ def summary(results: dict) -> str:
         lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense{extra}")
     for r in results.get("soft_moe_experts", []):
         lines.append(f"soft_moe E={r['experts']:4d} {r['ms']:9.2f} ms  x{r['ratio_to_E8']:.2f} of E=8")
+    for r in results.get("sparsity_solver", []):
+        lines.append(f"solver {r['shape']:5s} c={r['capacity_factor']:g} sparse/EC x{r['ratio']:.2f} "
+                     f"error {r['router_mean_marginal_error']:.4f} F gap {r['router_objective_relative_gap']}")
     for r in results.get("training", []):
         lines.append(f"train {r['router']:36s} {r['images_per_second']:8.0f} img/s  x{r['throughput_vs_dense']:.2f} dense")
     return "\n".join(lines)

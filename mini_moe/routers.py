@@ -295,7 +295,7 @@ class SparsityConstrainedExpertChoice(Router, _ExpertChoiceOptions):
     eq. (9) plan of softmax(XW) with at most C tokens per expert; combine weights from
     the softmax. Metrics add the solver's iterations and token-marginal error."""
 
-    def __init__(self, dim, num_experts, *, capacity_factor=1.0, tol=1e-3, max_iters=50, rngs: nnx.Rngs):
+    def __init__(self, dim, num_experts, *, capacity_factor=1.0, tol=1e-3, max_iters=30, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
         self._set_expert_choice(capacity_factor)
         self.tol, self.max_iters = float(tol), int(max_iters)

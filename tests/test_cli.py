@@ -43,6 +43,30 @@ def test_bench_routers_times_every_router_forward_and_backward(monkeypatch):
     assert all(r["forward_ms"] == 2.0 and r["forward_backward_ms"] == 2.0 for r in rows)
 
 
+def test_bench_sparsity_solver_reports_ratio_error_and_gap_to_pot(monkeypatch):
+    """The solver benchmark at a tiny shape: the ratio is the two routers' times, and the
+    objective gap is F minus POT's optimum, computed here again from the same group."""
+    from mini_moe import transport
+
+    times = iter([2.0, 6.0] * 2)
+    monkeypatch.setattr(bench, "time_fn", lambda fn, *args, repeats=20: next(times))
+    monkeypatch.setattr(bench, "SOLVER_SHAPES", {"tiny": (2, 32, 16, 4)})
+    rows = bench.run(repeats=1, only="sparsity_solver")["sparsity_solver"]
+    assert [r["capacity_factor"] for r in rows] == [1.0, 2.0]
+    for row in rows:
+        assert row["ratio"] == 3.0 and row["router_iterations"] <= 30
+        assert 0 <= row["router_mean_marginal_error"] <= 1
+        router = bench.routers_lib.make_router("sparsity_constrained_expert_choice", 16, 4,
+                                               capacity_factor=row["capacity_factor"], rngs=bench.nnx.Rngs(0))
+        x = bench.jax.random.normal(bench.jax.random.PRNGKey(0), (2, 32, 16))
+        probs = bench.jax.nn.softmax(router.logits(x), axis=-1)
+        _, info = transport.sparsity_constrained_plan(probs, max_nonzeros=router._capacity(32), max_iters=30,
+                                                      return_info=True)
+        pot = bench._pot_semi_dual_optimum(probs[0], router._capacity(32))["best"]
+        assert row["router_objective_gap"][0] == pytest.approx(float(info.objective[0]) - pot, abs=1e-4)
+        assert row["pot_objective"] == pytest.approx([pot, row["pot_objective"][1]], abs=1e-4)
+
+
 def _run_cli(args, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", TFDS_DATA_DIR=str(tmp_path / "tfds"),
                # offline: any download attempt is refused at once instead of hanging
