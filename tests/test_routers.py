@@ -232,3 +232,22 @@ def test_bad_router_arguments(name, kwargs, match):
 def test_wrong_token_dimension_raises(name):
     with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., T, D=8\]"):
         _make(name)(jnp.ones((G, T, D + 1)))
+
+
+def test_registered_routers_outputs_are_unchanged():
+    """Every registered router (and the options that change its computation) gives exactly the
+    outputs recorded in ``tests/data/router_golden.npz`` on the recorded inputs: bit for bit
+    under the JAX that recorded them, to float32 round-off under another (the floors run)."""
+    import router_golden
+
+    golden = np.load(router_golden.PATH)
+    np.testing.assert_array_equal(golden["x"], router_golden.inputs())
+    exact = str(golden["jax_version"]) == jax.__version__
+    now = router_golden.outputs()
+    recorded = {k: golden[k] for k in golden.files if k not in ("x", "jax_version")}
+    assert sorted(now) == sorted(recorded)
+    for key, value in recorded.items():
+        if exact:
+            np.testing.assert_array_equal(now[key], value, err_msg=key)
+        else:
+            np.testing.assert_allclose(now[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
