@@ -328,10 +328,11 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
 
 
 def build_slice(workdir: Path) -> Path:
-    """Build intro + chapter 1 + references + probe page with the repository's _config.yml."""
+    """Build intro + chapter 1 + probe page + API reference + references with the repository's
+    _config.yml (the API page's autodoc must build without a warning too)."""
     src = workdir / "src"
     (src / "book").mkdir(parents=True)
-    for rel in ("_config.yml", "references.bib", "book/intro.md", "book/references.md",
+    for rel in ("_config.yml", "references.bib", "book/intro.md", "book/references.md", "book/api.md",
                 f"{CHAPTER}.ipynb"):
         shutil.copy2(ROOT / rel, src / rel)
     if (ROOT / "_static").is_dir():
@@ -343,6 +344,7 @@ def build_slice(workdir: Path) -> Path:
         chapters:
           - file: {CHAPTER}.ipynb
           - file: book/zz_browser_probe
+          - file: book/api
           - file: book/references
         """))
     jb = Path(sys.executable).parent / "jupyter-book"

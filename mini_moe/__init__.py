@@ -1,6 +1,6 @@
 """mini_moe: routers in Vision Mixture-of-Experts, in JAX + Flax NNX.
 
-The pieces, in the order the book introduces them:
+Every module, in the order the book introduces them:
 
 * :mod:`mini_moe.routing` — allocation: Token Choice (Algorithm 1), Expert Choice
   (Algorithm 2), Soft MoE's softmaxes; routing tensors ``[..., T, E, C]``.
@@ -9,8 +9,22 @@ The pieces, in the order the book introduces them:
 * :mod:`mini_moe.layer` — the MoE layer of eq. (2) and batched MLP experts.
 * :mod:`mini_moe.losses` — importance and load losses, the Switch loss, the router z-loss,
   Pairwise Router Consistency.
-* :mod:`mini_moe.routers` — trainable routers, created by name with ``make_router``.
+* :mod:`mini_moe.routers` — trainable routers as affinity x allocation, created by name with
+  ``make_router`` or composed by hand; :func:`~mini_moe.routers.register` adds your own.
+* :mod:`mini_moe.model` — the ViT whose MLPs can be MoE layers (V-MoE).
+* :mod:`mini_moe.config` — the ``quick`` (CPU) and ``full`` (GPU/TPU) configurations.
+* :mod:`mini_moe.data` — digits, Fashion-MNIST and tfds datasets, batches, augmentation with
+  known geometry (paper 004's view correspondences).
+* :mod:`mini_moe.train` — training with checkpoints and exact resume.
+* :mod:`mini_moe.evaluate` — accuracy, the 10-shot probe, routing diagnostics and mechanisms.
+* :mod:`mini_moe.study` — the head-to-head router study and its statistics.
+* :mod:`mini_moe.subtasks` — the controlled experiment where the right routing is known.
+* :mod:`mini_moe.parallel` — expert parallelism across devices (``all_to_all``).
+* :mod:`mini_moe.bench` — benchmarks, and the results committed with the package.
 * :mod:`mini_moe.figures` — pictures of routing tensors, of eq. (2) and of expert parallelism.
+* :mod:`mini_moe.notebook` — ``glue`` for the book's chapters.
+* :mod:`mini_moe.validate` — the argument checks every module shares.
+* ``python -m mini_moe`` — the command line (``train``, ``evaluate``, ``bench``, ``study``, ...).
 """
 
 from mini_moe import layer, losses, routers, routing, transport
@@ -23,4 +37,4 @@ __all__ = [
     "MlpExperts", "moe", "ROUTERS", "RouterOutput", "make_router",
     "Routing", "capacity", "expert_choice", "soft_routing", "token_choice",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -108,11 +108,12 @@ def _router_and_tokens(name: str, shape: str, rngs: nnx.Rngs, **router_kwargs):
     if shape not in LAYER_SHAPES:
         raise ValueError(f"shape must be one of {sorted(LAYER_SHAPES)}, got {shape!r}.")
     per_group, tokens, groups, dim, _, experts = LAYER_SHAPES[shape]
-    if name == "soft_moe":
+    spec = routers_lib.spec(name)
+    if spec.allocation == "soft":
         router_kwargs.setdefault("slots_per_expert", max(1, round(tokens / experts)))
     router = routers_lib.make_router(name, dim, experts, rngs=rngs, **router_kwargs)
     x = jax.random.normal(jax.random.PRNGKey(0), (groups, per_group * tokens, dim))
-    if name == "soft_moe":
+    if spec.per_image:
         x = x.reshape(groups * per_group, tokens, dim)
     return router, x
 
@@ -200,8 +201,8 @@ def soft_moe_expert_benchmarks(repeats: int, total_slots: int = 256, images: int
     return results
 
 
-#: Shapes of the sparsity-constrained solver benchmark: (groups, tokens per group, D, E). ``g1024``
-#: is 8 groups of 1024 tokens; ``b32`` a B/32-like batch (8 images x 49 tokens in each group).
+#: The shapes (groups, tokens per group, D, E) of the sparsity-constrained solver benchmark.
+#: ``g1024`` is 8 groups of 1024 tokens; ``b32`` a B/32-like batch (8 images x 49 tokens in each group).
 SOLVER_SHAPES = {"g1024": (8, 1024, 768, 32), "b32": (8, 392, 768, 32)}
 
 
@@ -241,8 +242,9 @@ def sparsity_solver_benchmarks(repeats: int, pot_groups: int = 2) -> list[dict]:
                 row[f"{name}_ms"] = round(time_fn(_fwd_bwd(_routing_output), router, x, repeats=repeats), 3)
             row["ratio"] = round(row["sparsity_constrained_expert_choice_ms"] / row["softmax_expert_choice_ms"], 3)
             probs = jax.nn.softmax(router.logits(x), axis=-1)
-            cap = router._capacity(tokens)
-            for label, options in (("router", dict(tol=router.tol, max_iters=router.max_iters)), ("default", {})):
+            cap = router.allocation.budget(tokens, experts).capacity
+            solver = router.affinity
+            for label, options in (("router", dict(tol=solver.tol, max_iters=solver.max_iters)), ("default", {})):
                 _, info = transport.sparsity_constrained_plan(probs, max_nonzeros=cap, return_info=True, **options)
                 row[f"{label}_iterations"] = int(jnp.max(info.iterations))
                 row[f"{label}_mean_marginal_error"] = round(float(jnp.mean(info.mean_marginal_error)), 4)

@@ -3,7 +3,7 @@
 One switch picks the scale (DESIGN §5): :func:`default_scale` returns ``"quick"`` on a
 CPU and ``"full"`` on an accelerator; the environment variable ``MINI_MOE_SCALE``
 overrides it. Every field can be overridden by keyword (``get_config(..., steps=50)``,
-``model_dim=...`` style keys prefixed with ``model_`` go to :class:`ModelConfig`).
+``model_dim=...`` style keys prefixed with ``model_`` go to :class:`~mini_moe.model.ModelConfig`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import os
 
 import jax
 
+from mini_moe import routers as routers_lib
 from mini_moe.model import ModelConfig
+from mini_moe.validate import check_int
 
 SCALES = ("quick", "full")
 
@@ -66,9 +68,7 @@ class TrainConfig:
 
     def __post_init__(self):
         for name in ("batch_size", "steps", "eval_every", "eval_batch_size", "checkpoint_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(name, getattr(self, name))
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
@@ -77,7 +77,7 @@ class TrainConfig:
             if len(self.mesh) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.mesh):
                 raise ValueError(f"mesh must be (data, expert) with integers >= 1, got {self.mesh!r}.")
             devices = self.mesh[0] * self.mesh[1]
-            per_group = 1 if self.model.router == "soft_moe" else self.model.group_images
+            per_group = 1 if routers_lib.per_image(self.model.router) else self.model.group_images
             if self.batch_size % (per_group * devices):
                 raise ValueError(
                     f"batch_size={self.batch_size} must be a multiple of {per_group * devices} "
@@ -86,7 +86,7 @@ class TrainConfig:
             if self.model.router is not None and self.model.num_experts % self.mesh[1]:
                 raise ValueError(f"num_experts={self.model.num_experts} must be a multiple of the mesh's "
                                  f"expert axis {self.mesh[1]}.")
-        if self.prc and (self.model.router is None or self.model.router == "soft_moe"):
+        if self.prc and (self.model.router is None or routers_lib.per_image(self.model.router)):
             raise ValueError(f"prc=True needs a sparse router (paper 004 uses token choice), got {self.model.router!r}.")
 
 
@@ -118,7 +118,7 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
     model_fields = dict(
         image_size=shape["image_size"], channels=shape["channels"], num_classes=shape["num_classes"],
         patch_size=shape["patch"][scale], router=router,
-        placement="last2" if router == "soft_moe" else "every2",
+        placement="every2" if router is None else routers_lib.spec(router).placement,
         **{**_MODEL_SCALE[scale], **shape.get("model", {}).get(scale, {})},
     )
     train_fields = dict(_TRAIN_SCALE[scale], dataset=dataset)
@@ -143,7 +143,7 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
     if "checkpoint_every" not in overrides:
         train_fields["checkpoint_every"] = train_fields.get("eval_every", 500)
     kwargs = dict(model_fields.get("router_kwargs", ()))
-    if router == "soft_moe" and "slots_per_expert" not in kwargs:
+    if router is not None and routers_lib.spec(router).allocation == "soft" and "slots_per_expert" not in kwargs:
         # Paper 000: S = round(c * T / E) slots per expert with c = 1, T tokens per image.
         patches = (model_fields["image_size"] // model_fields["patch_size"]) ** 2
         kwargs["slots_per_expert"] = max(1, round(patches / model_fields["num_experts"]))

@@ -49,6 +49,7 @@ __all__ = [
     "view_resolution", "patch_correspondence",
 ]
 
+#: The datasets :func:`load` knows.
 DATASETS = ("digits", "fashion_mnist", "cifar10", "cifar100")
 SPLITS = ("train", "test")
 

@@ -35,6 +35,7 @@ from flax import nnx
 from mini_moe import data as data_lib
 from mini_moe import layer, parallel
 from mini_moe import losses as losses_lib
+from mini_moe import routers as routers_lib
 from mini_moe import routing as routing_lib
 
 Array = Any
@@ -207,7 +208,7 @@ def perturbation_path(model, image: np.ndarray, companions: np.ndarray, directio
     model is a smooth function of alpha; at a change its output can jump.
     """
     cfg = model.cfg
-    group = 1 if cfg.router == "soft_moe" else cfg.group_images
+    group = 1 if routers_lib.per_image(cfg.router) else cfg.group_images
     companions = np.asarray(companions)[: group - 1]
     if len(companions) != group - 1:
         raise ValueError(f"companions must hold group_images - 1 = {group - 1} images, got {len(companions)}.")
@@ -235,7 +236,7 @@ def group_routing(model, images: np.ndarray, *, layer: int = -1):
     for a sparse router, the first image for Soft MoE. Draw it with
     :func:`mini_moe.figures.routing_heatmaps`."""
     cfg = model.cfg
-    group = 1 if cfg.router == "soft_moe" else cfg.group_images
+    group = 1 if routers_lib.per_image(cfg.router) else cfg.group_images
     if len(images) < group:
         raise ValueError(f"images must hold at least one routing group ({group} images), got {len(images)}.")
     with _eval_mode(model):
@@ -301,7 +302,7 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
     out = []
     for (hits, top1), router, stable in zip(layers, routers, stability):
         per_token = hits.sum(-1)
-        k = getattr(router, "k", None)
+        k = getattr(router.allocation, "k", None)  # Token Choice: k experts per token
         out.append({
             "unprocessed": float(np.mean(per_token == 0)),
             "dropped_routes": None if k is None else float(1 - per_token.mean() / k),

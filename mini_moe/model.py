@@ -25,6 +25,7 @@ from flax import nnx
 from mini_moe import parallel
 from mini_moe import routers as routers_lib
 from mini_moe.layer import MlpExperts, moe
+from mini_moe.validate import check_int
 
 Array = Any
 
@@ -51,9 +52,7 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("image_size", "channels", "patch_size", "num_classes", "dim", "depth", "heads",
                      "mlp_dim", "num_experts", "group_images"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(name, getattr(self, name))
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}."
@@ -128,7 +127,7 @@ class MoeMlp(nnx.Module):
         kwargs = dict(cfg.router_kwargs)
         self.router = routers_lib.make_router(cfg.router, cfg.dim, cfg.num_experts, rngs=rngs, **kwargs)
         self.experts = MlpExperts(cfg.num_experts, cfg.dim, cfg.mlp_dim, rngs=rngs)
-        self.per_image = cfg.router == "soft_moe"
+        self.per_image = self.router.per_image
         self.group_images = cfg.group_images
         self.path = cfg.moe_path
         self.mesh = None  # set by mini_moe.parallel.shard_model: experts sharded across devices

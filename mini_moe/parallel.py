@@ -36,6 +36,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mini_moe.routing import Routing
+from mini_moe.validate import check_int
 
 Array = Any
 AXES = ("data", "expert")
@@ -44,9 +45,8 @@ BATCH = P(AXES)  # the leading (batch / group) axis split over every device
 
 def make_mesh(data: int, expert: int, devices=None) -> Mesh:
     """A ``(data, expert)`` mesh over the first ``data * expert`` devices."""
-    for name, value in (("data", data), ("expert", expert)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    check_int("data", data)
+    check_int("expert", expert)
     devices = jax.devices() if devices is None else list(devices)
     if data * expert > len(devices):
         raise ValueError(

@@ -1,27 +1,42 @@
 """Trainable routers: one affinity composed with one allocation (Flax NNX modules).
 
-Every router maps tokens ``x [..., T, D]`` (leading axes: groups; for Soft MoE, images)
-to a :class:`RouterOutput`: the routing tensors ``[..., T, E, C]`` for
-:func:`mini_moe.layer.moe`, an auxiliary loss to add to the training loss, and routing
-metrics. Create them by name::
+Paper 000's lesson is that a router is two choices: an **affinity**, the scores that say which
+token suits which expert, and an **allocation**, the rule that turns scores into routing tensors
+under a capacity. Here both are small first-class pieces and a :class:`Router` is one of each:
+
+* affinities (modules with the router's parameters): :class:`Softmax` (softmax(XW)),
+  :class:`NoisySoftmax` (V-MoE's noisy softmax with its balancing losses),
+  :class:`SinkhornPlan` (eq. 8), :class:`QuadraticPlan` (SVMoE), :class:`SparsityConstrainedPlan`
+  (eq. 9) and :class:`SlotLogits` (Soft MoE's l2-normalised slot logits);
+* allocations (frozen dataclasses, no parameters): :class:`TokenChoice` (Algorithm 1, k and
+  Batch Priority Routing), :class:`ExpertChoice` (Algorithm 2) and :class:`SoftRouting`.
+
+An affinity also says where the combine weights come from (the OT plans take positions from
+the plan and, with ``softmax_combine=True``, weights from softmax(XW); paper 000 Sec. 3.4).
+Every router maps tokens ``x [..., T, D]`` (leading axes: groups; for Soft MoE, images) to a
+:class:`RouterOutput`. The routers of the papers are registered compositions, created by name::
 
     router = make_router("sinkhorn_expert_choice", dim=64, num_experts=8,
                          capacity_factor=2.0, rngs=nnx.Rngs(0))
+    # the same router, composed by hand; any other pair is one line too
+    router = Router(SinkhornPlan(64, 8, rngs=nnx.Rngs(0)), ExpertChoice(capacity_factor=2.0))
 
-=================================== ============================ =========================
-name                                affinity                     allocation
-=================================== ============================ =========================
-``softmax_token_choice``            softmax(XW + noise)          Algorithm 1 (+ BPR, losses)
-``sinkhorn_token_choice``           Sinkhorn plan of XW          Algorithm 1
-``svmoe``                           quadratic OT of softmax(XW)  Algorithm 1
-``softmax_expert_choice``           softmax(XW)                  Algorithm 2
-``sinkhorn_expert_choice``          Sinkhorn plan of XW          Algorithm 2
-``sparsity_constrained_expert_choice`` eq. (9) plan of softmax(XW) Algorithm 2
-``soft_moe``                        l2-normalised X Phi          two softmaxes
-=================================== ============================ =========================
+====================================== ================================ =====================
+name                                   affinity                         allocation
+====================================== ================================ =====================
+``softmax_token_choice``               :class:`NoisySoftmax`            :class:`TokenChoice`
+``sinkhorn_token_choice``              :class:`SinkhornPlan`            :class:`TokenChoice`
+``svmoe``                              :class:`QuadraticPlan`           :class:`TokenChoice`
+``softmax_expert_choice``              :class:`Softmax`                 :class:`ExpertChoice`
+``sinkhorn_expert_choice``             :class:`SinkhornPlan`            :class:`ExpertChoice`
+``sparsity_constrained_expert_choice`` :class:`SparsityConstrainedPlan` :class:`ExpertChoice`
+``soft_moe``                           :class:`SlotLogits`              :class:`SoftRouting`
+====================================== ================================ =====================
 
-The OT routers take positions from the plan and, with ``softmax_combine=True`` (the
-default, paper 000 Sec. 3.4), combine weights from softmax(XW).
+What the rest of the library needs to know about a registered router (how the capacity factor
+reaches it, whether it routes each image on its own, where the model places its MoE layers) is
+declared with :func:`register`, so a router registered outside the package trains through
+:mod:`mini_moe.model`, :mod:`mini_moe.train`, :mod:`mini_moe.study` and :mod:`mini_moe.bench`.
 
 Training-time noise follows Flax's dropout convention: it is added while the module
 is not ``deterministic`` (``model.train()``), and never under ``model.eval()``.
@@ -29,7 +44,9 @@ is not ``deterministic`` (``model.train()``), and never under ``model.eval()``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+import warnings
+from typing import Any, Callable, NamedTuple
 
 import flax.struct
 import jax
@@ -38,6 +55,7 @@ import numpy as np
 from flax import nnx
 
 from mini_moe import losses, routing, transport
+from mini_moe.validate import check_int
 
 Array = Any
 
@@ -61,88 +79,67 @@ class RouterOutput:
     probs: Array
 
 
-ROUTERS: dict[str, type] = {}
+class Budget(NamedTuple):
+    """What an allocation grants one routing group of T tokens: ``k`` experts per token
+    (Token Choice; 1 otherwise) and ``capacity`` C slots per expert (Soft MoE: its slots)."""
+
+    k: int
+    capacity: int
 
 
-def register(name: str) -> Callable[[type], type]:
-    """Class decorator adding a router to the registry under ``name``."""
+@flax.struct.dataclass
+class Affinities:
+    """What an affinity gives an allocation.
 
-    def add(cls):
-        ROUTERS[name] = cls
-        cls.name = name
-        return cls
+    Attributes:
+      scores: ``[..., T, E]`` what the allocation ranks (Soft MoE: slot logits ``[..., T, E, S]``).
+      combine: ``[..., T, E]`` where the combine weights come from; ``None``: from ``scores``.
+      probs: ``[..., T, E]`` each token's distribution over experts; ``None``: the combine
+        tensor summed over slots.
+      aux_loss: scalar auxiliary loss.
+      metrics: dict of scalars.
+    """
 
-    return add
-
-
-def make_router(name: str, dim: int, num_experts: int, *, rngs: nnx.Rngs, **kwargs) -> "Router":
-    """Create the router registered as ``name`` (see :data:`ROUTERS`)."""
-    if name not in ROUTERS:
-        raise ValueError(f"Unknown router {name!r}; expected one of: {', '.join(sorted(ROUTERS))}.")
-    return ROUTERS[name](dim, num_experts, rngs=rngs, **kwargs)
-
-
-def _check_int(name, value, low=1):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+    scores: Array
+    combine: Array | None = None
+    probs: Array | None = None
+    aux_loss: Array = 0.0
+    metrics: dict = dataclasses.field(default_factory=dict)
 
 
-class Router(nnx.Module):
-    """Base class: a linear map ``W [D, E]`` from tokens to expert logits."""
+# ------------------------------------------------------------------------------ affinities
 
-    name = "router"
+
+class Affinity(nnx.Module):
+    """Base affinity: a linear map ``W [D, E]`` from tokens to expert logits."""
 
     def __init__(self, dim: int, num_experts: int, *, rngs: nnx.Rngs):
-        _check_int("dim", dim)
-        _check_int("num_experts", num_experts)
+        check_int("dim", dim)
+        check_int("num_experts", num_experts)
         self.dim, self.num_experts = dim, num_experts
         self.dense = nnx.Linear(dim, num_experts, use_bias=False, rngs=rngs)
 
-    def _tokens(self, x):
-        shape = np.shape(x)
-        if len(shape) < 2 or shape[-1] != self.dim:
-            raise ValueError(f"x must have shape [..., T, D={self.dim}], got {shape}.")
-        return x
-
     def logits(self, x: Array) -> Array:
         """Clean router logits ``x W``: ``[..., T, E]``."""
-        return self.dense(self._tokens(x))
+        return self.dense(x)
 
-    def _output(self, rt, probs, aux_loss=0.0, **extra):
-        metrics = routing.routing_metrics(rt)
-        metrics.update(extra)
-        return RouterOutput(rt, jnp.asarray(aux_loss, jnp.float32), metrics, probs)
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
+        raise NotImplementedError
 
 
-class _TokenChoiceOptions:
-    """Shared validation of k and the capacity factor for Algorithm-1 routers."""
+class Softmax(Affinity):
+    """``softmax(XW)`` (Expert Choice's affinity, paper 000 Sec. 2.3)."""
 
-    def _set_token_choice(self, k, capacity_factor, batch_priority):
-        _check_int("k", k)
-        if k > self.num_experts:
-            raise ValueError(f"k must be <= num_experts={self.num_experts}, got k={k}.")
-        self.k = k
-        self.capacity_factor = float(k if capacity_factor is None else capacity_factor)
-        if not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}.")
-        self.batch_priority = bool(batch_priority)
-
-    def _allocate(self, scores, combine_scores):
-        cap = routing.capacity(scores.shape[-2], self.num_experts, self.capacity_factor)
-        return routing.token_choice(
-            scores, capacity=cap, k=self.k, batch_priority=self.batch_priority, combine_scores=combine_scores
-        )
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
+        probs = jax.nn.softmax(self.logits(x), axis=-1)
+        return Affinities(probs, probs=probs)
 
 
-@register("softmax_token_choice")
-class SoftmaxTokenChoice(Router, _TokenChoiceOptions):
-    """Softmax Token Choice (paper 000, Sec. 2.1): the V-MoE router.
+class NoisySoftmax(Affinity):
+    """V-MoE's affinity (paper 000 Sec. 2.1): ``softmax(XW + noise)`` with its balancing losses.
 
     Args:
-      k: experts per token (1 or 2 in the paper).
-      capacity_factor: C = round(capacity_factor * T / E); default k.
       noise_std: training noise N(0, (noise_std / E)^2) on the logits (V-MoE: 1).
-      batch_priority: Batch Priority Routing.
       balance_loss: the balancing term of the auxiliary loss: ``"importance_load"`` (or
         ``True``; V-MoE's (importance + load) / 2, Appendix A), ``"switch"`` (the Switch
         Transformer / GShard loss, :func:`mini_moe.losses.switch_loss`) or ``"none"`` (or
@@ -150,15 +147,15 @@ class SoftmaxTokenChoice(Router, _TokenChoiceOptions):
       z_loss: weight of the router z-loss (ST-MoE) inside the auxiliary loss, relative to the
         balancing term (ST-MoE uses 1e-3 against 1e-2, i.e. 0.1); 0 turns it off.
 
-    Every loss is also reported in the metrics, whichever of them is trained.
+    Every loss is also reported in the metrics, whichever of them is trained. The load loss
+    and the Switch loss count the allocation's k experts per token.
     """
 
     BALANCE_LOSSES = ("importance_load", "switch", "none")
 
-    def __init__(self, dim, num_experts, *, k=1, capacity_factor=None, noise_std=1.0,
-                 batch_priority=False, balance_loss=True, z_loss=0.0, deterministic=False, rngs: nnx.Rngs):
+    def __init__(self, dim, num_experts, *, noise_std=1.0, balance_loss=True, z_loss=0.0, deterministic=False,
+                 rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
-        self._set_token_choice(k, capacity_factor, batch_priority)
         if noise_std < 0:
             raise ValueError(f"noise_std must be >= 0, got {noise_std!r}.")
         self.noise_std = float(noise_std)
@@ -172,143 +169,86 @@ class SoftmaxTokenChoice(Router, _TokenChoiceOptions):
         self.deterministic = deterministic
         self.rngs = rngs["noise"].fork()
 
-    def __call__(self, x: Array) -> RouterOutput:
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
         logits = self.logits(x)
         noisy = logits
         if not self.deterministic and self.noise_std > 0:
             noise = jax.random.normal(self.rngs(), logits.shape, logits.dtype)
             noisy = logits + noise * (self.noise_std / self.num_experts)
         probs = jax.nn.softmax(noisy, axis=-1)
-        rt = self._allocate(probs, None)
         importance = losses.importance_loss(logits)
-        load = (losses.load_loss(logits, noisy, k=self.k, noise_std=self.noise_std)
+        load = (losses.load_loss(logits, noisy, k=budget.k, noise_std=self.noise_std)
                 if self.noise_std > 0 else importance)
-        switch = losses.switch_loss(probs, k=self.k)
+        switch = losses.switch_loss(probs, k=budget.k)
         z = losses.z_loss(logits)
         aux = {"importance_load": (importance + load) / 2, "switch": switch, "none": 0.0}[self.balance_loss]
         aux = aux + self.z_loss * z
-        return self._output(rt, probs, aux, importance_loss=importance, load_loss=load, switch_loss=switch, z_loss=z)
+        metrics = dict(importance_loss=importance, load_loss=load, switch_loss=switch, z_loss=z)
+        return Affinities(probs, probs=probs, aux_loss=aux, metrics=metrics)
 
 
-class _SinkhornOptions:
-    def _set_sinkhorn(self, num_iters, epsilon, softmax_combine):
-        _check_int("num_iters", num_iters)
+class SinkhornPlan(Affinity):
+    """The entropic transport plan of ``XW`` (paper 000 eq. 8, Sec. 2.2 and 2.4).
+
+    Args:
+      softmax_combine: positions from the plan, combine weights from ``softmax(XW)`` and no
+        gradient through Sinkhorn (paper 000 Sec. 3.4); ``False``: both from the plan (Fig. 3).
+      num_iters, epsilon: see :func:`mini_moe.transport.sinkhorn`.
+    """
+
+    def __init__(self, dim, num_experts, *, softmax_combine=True, num_iters=20, epsilon=1.0, rngs: nnx.Rngs):
+        super().__init__(dim, num_experts, rngs=rngs)
+        check_int("num_iters", num_iters)
         if not epsilon > 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon!r}.")
         self.num_iters, self.epsilon = num_iters, float(epsilon)
         self.softmax_combine = bool(softmax_combine)
 
-    def _plan_and_combine(self, logits):
-        plan = transport.sinkhorn(logits, num_iters=self.num_iters, epsilon=self.epsilon)
-        if self.softmax_combine:  # the backward pass skips Sinkhorn entirely
-            return jax.lax.stop_gradient(plan), jax.nn.softmax(logits, axis=-1)
-        return plan, None
-
-
-@register("sinkhorn_token_choice")
-class SinkhornTokenChoice(Router, _TokenChoiceOptions, _SinkhornOptions):
-    """Sinkhorn Token Choice (paper 000, Sec. 2.2; Clark et al. 2022).
-
-    Dispatch from Algorithm 1 on the entropic plan of eq. (8); combine from softmax(XW)
-    (``softmax_combine=True``) or from the plan itself (``False``; paper 000 Fig. 3).
-    """
-
-    def __init__(self, dim, num_experts, *, k=1, capacity_factor=None, batch_priority=False,
-                 softmax_combine=True, num_iters=20, epsilon=1.0, rngs: nnx.Rngs):
-        super().__init__(dim, num_experts, rngs=rngs)
-        self._set_token_choice(k, capacity_factor, batch_priority)
-        self._set_sinkhorn(num_iters, epsilon, softmax_combine)
-
-    def __call__(self, x: Array) -> RouterOutput:
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
         logits = self.logits(x)
-        plan, combine_scores = self._plan_and_combine(logits)
-        return self._output(self._allocate(plan, combine_scores), jax.nn.softmax(logits, axis=-1))
+        plan = transport.sinkhorn(logits, num_iters=self.num_iters, epsilon=self.epsilon)
+        probs = jax.nn.softmax(logits, axis=-1)
+        if self.softmax_combine:  # the backward pass skips Sinkhorn entirely
+            return Affinities(jax.lax.stop_gradient(plan), combine=probs, probs=probs)
+        return Affinities(plan, probs=probs)
 
 
-@register("svmoe")
-class SVMoE(Router, _TokenChoiceOptions):
-    """SVMoE (paper 001): Algorithm 1 on the quadratically regularised OT plan of
-    softmax(XW) with ``gamma = 1/k``; combine weights from the softmax.
+class QuadraticPlan(Affinity):
+    """SVMoE's affinity (paper 001): the quadratically regularised transport plan of
+    ``softmax(XW)`` with ``gamma = 1/k``; combine weights from the softmax.
 
     Paper 001 says the plan is found "using the Sinkhorn algorithm"; for a quadratic
     regulariser the exact analogue is :func:`mini_moe.transport.quadratic_plan`.
     """
 
-    def __init__(self, dim, num_experts, *, k=2, capacity_factor=None, batch_priority=False,
-                 num_iters=20, rngs: nnx.Rngs):
+    def __init__(self, dim, num_experts, *, num_iters=20, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
-        self._set_token_choice(k, capacity_factor, batch_priority)
-        _check_int("num_iters", num_iters)
+        check_int("num_iters", num_iters)
         self.num_iters = num_iters
 
-    def __call__(self, x: Array) -> RouterOutput:
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
         probs = jax.nn.softmax(self.logits(x), axis=-1)
-        plan = transport.quadratic_plan(jax.lax.stop_gradient(probs), gamma=1.0 / self.k, num_iters=self.num_iters)
-        return self._output(self._allocate(plan, probs), probs)
+        plan = transport.quadratic_plan(jax.lax.stop_gradient(probs), gamma=1.0 / budget.k, num_iters=self.num_iters)
+        return Affinities(plan, combine=probs, probs=probs)
 
 
-class _ExpertChoiceOptions:
-    def _set_expert_choice(self, capacity_factor):
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor!r}.")
-        self.capacity_factor = float(capacity_factor)
+class SparsityConstrainedPlan(Affinity):
+    """The sparsity-constrained plan of ``softmax(XW)`` (paper 000 eq. 9, Sec. 2.5) with at
+    most C tokens per expert (the allocation's capacity); combine weights from the softmax.
+    Metrics add the solver's iterations and token-marginal error."""
 
-    def _capacity(self, num_tokens):
-        return min(num_tokens, routing.capacity(num_tokens, self.num_experts, self.capacity_factor))
-
-
-@register("softmax_expert_choice")
-class SoftmaxExpertChoice(Router, _ExpertChoiceOptions):
-    """Softmax Expert Choice (paper 000, Sec. 2.3; Zhou et al. 2022): Algorithm 2 on
-    softmax(XW), with C = round(capacity_factor * T / E) tokens per expert."""
-
-    def __init__(self, dim, num_experts, *, capacity_factor=1.0, rngs: nnx.Rngs):
+    def __init__(self, dim, num_experts, *, tol=1e-3, max_iters=30, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
-        self._set_expert_choice(capacity_factor)
-
-    def __call__(self, x: Array) -> RouterOutput:
-        probs = jax.nn.softmax(self.logits(x), axis=-1)
-        return self._output(routing.expert_choice(probs, capacity=self._capacity(probs.shape[-2])), probs)
-
-
-@register("sinkhorn_expert_choice")
-class SinkhornExpertChoice(Router, _ExpertChoiceOptions, _SinkhornOptions):
-    """Sinkhorn Expert Choice (paper 000, Sec. 2.4): Algorithm 2 on the plan of eq. (8)."""
-
-    def __init__(self, dim, num_experts, *, capacity_factor=1.0, softmax_combine=True,
-                 num_iters=20, epsilon=1.0, rngs: nnx.Rngs):
-        super().__init__(dim, num_experts, rngs=rngs)
-        self._set_expert_choice(capacity_factor)
-        self._set_sinkhorn(num_iters, epsilon, softmax_combine)
-
-    def __call__(self, x: Array) -> RouterOutput:
-        logits = self.logits(x)
-        plan, combine_scores = self._plan_and_combine(logits)
-        cap = self._capacity(plan.shape[-2])
-        rt = routing.expert_choice(plan, capacity=cap, combine_scores=combine_scores)
-        return self._output(rt, jax.nn.softmax(logits, axis=-1))
-
-
-@register("sparsity_constrained_expert_choice")
-class SparsityConstrainedExpertChoice(Router, _ExpertChoiceOptions):
-    """Sparsity-constrained Expert Choice (paper 000, Sec. 2.5): Algorithm 2 on the
-    eq. (9) plan of softmax(XW) with at most C tokens per expert; combine weights from
-    the softmax. Metrics add the solver's iterations and token-marginal error."""
-
-    def __init__(self, dim, num_experts, *, capacity_factor=1.0, tol=1e-3, max_iters=30, rngs: nnx.Rngs):
-        super().__init__(dim, num_experts, rngs=rngs)
-        self._set_expert_choice(capacity_factor)
         self.tol, self.max_iters = float(tol), int(max_iters)
 
-    def __call__(self, x: Array) -> RouterOutput:
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
         probs = jax.nn.softmax(self.logits(x), axis=-1)
-        cap = self._capacity(probs.shape[-2])
         plan, info = transport.sparsity_constrained_plan(
-            probs, max_nonzeros=cap, tol=self.tol, max_iters=self.max_iters, return_info=True
+            probs, max_nonzeros=budget.capacity, tol=self.tol, max_iters=self.max_iters, return_info=True
         )
-        rt = routing.expert_choice(plan, capacity=cap, combine_scores=probs)
-        return self._output(rt, probs, solver_iterations=jnp.mean(info.iterations.astype(jnp.float32)),
-                            solver_marginal_error=jnp.mean(info.marginal_error))
+        metrics = dict(solver_iterations=jnp.mean(info.iterations.astype(jnp.float32)),
+                       solver_marginal_error=jnp.mean(info.marginal_error))
+        return Affinities(plan, combine=probs, probs=probs, metrics=metrics)
 
 
 def l2_normalize(x: Array, axis: int, eps: float = 1e-6) -> Array:
@@ -316,61 +256,350 @@ def l2_normalize(x: Array, axis: int, eps: float = 1e-6) -> Array:
     return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=axis, keepdims=True) + eps)
 
 
-SOFT_MOE_ABLATIONS = ("soft", "soft/uniform", "uniform/soft", "uniform", "identity")
-
-
-@register("soft_moe")
-class SoftMoE(Router):
-    """Soft MoE router (paper 002; paper 000, Sec. 2.6), for the tokens of one image.
-
-    Logits ``Z[t, r, s] = <l2n(x_t), scale * l2n(Phi[:, r, s])>`` (l2 normalisation
-    over D, learnable scalar ``scale`` initialised at 1); dispatch is a softmax over
-    tokens, combine a softmax over all (expert, slot) pairs.
+class SlotLogits(nnx.Module):
+    """Soft MoE's affinity (paper 002): token/slot logits ``Z[t, r, s] = <l2n(x_t), scale *
+    l2n(Phi[:, r, s])>`` (l2 normalisation over D, learnable scalar ``scale`` initialised at 1).
 
     Args:
       slots_per_expert: S (paper 002's best setting is 1).
       normalize: use the l2 normalisation and scale (paper 002, Sec. 2.3).
-      ablation: paper 002 Table 2: ``"soft"`` (Soft MoE), ``"soft/uniform"`` (learned
-        dispatch, uniform combine), ``"uniform/soft"``, ``"uniform"`` (every slot the
-        token average, outputs averaged), ``"identity"`` (token t to slot t; needs
-        E * S = T).
     """
 
-    def __init__(self, dim, num_experts, *, slots_per_expert=1, normalize=True, ablation="soft", rngs: nnx.Rngs):
-        _check_int("dim", dim)
-        _check_int("num_experts", num_experts)
-        _check_int("slots_per_expert", slots_per_expert)
-        if ablation not in SOFT_MOE_ABLATIONS:
-            raise ValueError(f"ablation must be one of {SOFT_MOE_ABLATIONS}, got {ablation!r}.")
+    def __init__(self, dim, num_experts, *, slots_per_expert=1, normalize=True, rngs: nnx.Rngs):
+        check_int("dim", dim)
+        check_int("num_experts", num_experts)
+        check_int("slots_per_expert", slots_per_expert)
         self.dim, self.num_experts, self.slots_per_expert = dim, num_experts, slots_per_expert
-        self.normalize, self.ablation = bool(normalize), ablation
+        self.normalize = bool(normalize)
         init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
         self.phi = nnx.Param(init(rngs.params(), (dim, num_experts, slots_per_expert)))
         self.scale = nnx.Param(jnp.ones(()))
 
     def logits(self, x: Array) -> Array:
         """Token/slot logits ``[..., T, E, S]``."""
-        x = self._tokens(x)
         phi = self.phi[...]
         if self.normalize:
             x, phi = l2_normalize(x, -1), self.scale[...] * l2_normalize(phi, 0)
         return jnp.einsum("...td,des->...tes", x, phi)
 
-    def __call__(self, x: Array) -> RouterOutput:
-        num_tokens = np.shape(x)[-2]
-        shape = tuple(np.shape(x)[:-1]) + (self.num_experts, self.slots_per_expert)
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
+        return Affinities(self.logits(x), metrics=dict(scale=self.scale[...]))
+
+
+# ----------------------------------------------------------------------------- allocations
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenChoice:
+    """Algorithm 1 (paper 000): every token picks its top ``k`` experts, each expert keeps the
+    first C = round(capacity_factor * T / E) in token order (Batch Priority Routing: by score).
+
+    Args:
+      k: experts per token (1 or 2 in the paper).
+      capacity_factor: default k.
+      batch_priority: Batch Priority Routing.
+    """
+
+    k: int = 1
+    capacity_factor: float | None = None
+    batch_priority: bool = False
+    per_image = False
+
+    def __post_init__(self):
+        check_int("k", self.k)
+        factor = float(self.k if self.capacity_factor is None else self.capacity_factor)
+        if not factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
+        object.__setattr__(self, "capacity_factor", factor)
+        object.__setattr__(self, "batch_priority", bool(self.batch_priority))
+
+    def check(self, num_experts: int) -> None:
+        if self.k > num_experts:
+            raise ValueError(f"k must be <= num_experts={num_experts}, got k={self.k}.")
+
+    def budget(self, num_tokens: int, num_experts: int) -> Budget:
+        return Budget(self.k, routing.capacity(num_tokens, num_experts, self.capacity_factor))
+
+    def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
+        return routing.token_choice(affinities.scores, capacity=budget.capacity, k=self.k,
+                                    batch_priority=self.batch_priority, combine_scores=affinities.combine)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertChoice:
+    """Algorithm 2 (paper 000; Zhou et al. 2022): every expert picks its top
+    C = round(capacity_factor * T / E) tokens (at most T)."""
+
+    capacity_factor: float = 1.0
+    per_image = False
+
+    def __post_init__(self):
+        if not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
+        object.__setattr__(self, "capacity_factor", float(self.capacity_factor))
+
+    def check(self, num_experts: int) -> None:
+        pass
+
+    def budget(self, num_tokens: int, num_experts: int) -> Budget:
+        return Budget(1, min(num_tokens, routing.capacity(num_tokens, num_experts, self.capacity_factor)))
+
+    def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
+        return routing.expert_choice(affinities.scores, capacity=budget.capacity, combine_scores=affinities.combine)
+
+
+SOFT_MOE_ABLATIONS = ("soft", "soft/uniform", "uniform/soft", "uniform", "identity")
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftRouting:
+    """Soft MoE's allocation (paper 002), for the tokens of one image: dispatch is a softmax of
+    the slot logits over tokens, combine a softmax over all (expert, slot) pairs.
+
+    Args:
+      ablation: paper 002 Table 2: ``"soft"`` (Soft MoE), ``"soft/uniform"`` (learned
+        dispatch, uniform combine), ``"uniform/soft"``, ``"uniform"`` (every slot the
+        token average, outputs averaged), ``"identity"`` (token t to slot t; needs
+        E * S = T).
+    """
+
+    ablation: str = "soft"
+    per_image = True
+
+    def __post_init__(self):
+        if self.ablation not in SOFT_MOE_ABLATIONS:
+            raise ValueError(f"ablation must be one of {SOFT_MOE_ABLATIONS}, got {self.ablation!r}.")
+
+    def check(self, num_experts: int) -> None:
+        pass
+
+    def budget(self, num_tokens: int, num_experts: int) -> Budget:
+        return Budget(1, 0)  # the slots are the affinity's parameters
+
+    def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
+        logits = affinities.scores  # [..., T, E, S]
+        num_tokens, shape = logits.shape[-3], logits.shape
         if self.ablation == "identity":
-            if self.num_experts * self.slots_per_expert != num_tokens:
+            if shape[-2] * shape[-1] != num_tokens:
                 raise ValueError(
                     f"identity routing needs num_experts * slots_per_expert == T={num_tokens}, "
-                    f"got {self.num_experts} * {self.slots_per_expert}."
+                    f"got {shape[-2]} * {shape[-1]}."
                 )
-            eye = jnp.eye(num_tokens, dtype=x.dtype).reshape((num_tokens,) + shape[-2:])
-            rt = routing.Routing(jnp.broadcast_to(eye, shape), jnp.broadcast_to(eye, shape), sparse=True)
-            return self._output(rt, rt.combine.sum(axis=-1))
-        soft = routing.soft_routing(self.logits(x))
+            eye = jnp.eye(num_tokens, dtype=logits.dtype).reshape((num_tokens,) + shape[-2:])
+            return routing.Routing(jnp.broadcast_to(eye, shape), jnp.broadcast_to(eye, shape), sparse=True)
+        soft = routing.soft_routing(logits)
         dispatch_kind, combine_kind = (self.ablation.split("/") * 2)[:2]
-        dispatch = soft.dispatch if dispatch_kind == "soft" else jnp.full(shape, 1.0 / num_tokens, x.dtype)
-        combine = soft.combine if combine_kind == "soft" else jnp.full(shape, 1.0 / (shape[-1] * shape[-2]), x.dtype)
-        rt = routing.Routing(dispatch, combine, sparse=False)
-        return self._output(rt, combine.sum(axis=-1), scale=self.scale[...])
+        dispatch = soft.dispatch if dispatch_kind == "soft" else jnp.full(shape, 1.0 / num_tokens, logits.dtype)
+        combine = soft.combine if combine_kind == "soft" else jnp.full(shape, 1.0 / (shape[-1] * shape[-2]),
+                                                                       logits.dtype)
+        return routing.Routing(dispatch, combine, sparse=False)
+
+
+# --------------------------------------------------------------------------------- routers
+
+
+class Router(nnx.Module):
+    """A router: one affinity composed with one allocation.
+
+    ``x [..., T, D]`` -> the allocation's budget for T tokens -> the affinity's scores (and
+    combine source, probs, auxiliary loss) -> the allocation's routing tensors ``[..., T, E, C]``.
+    """
+
+    def __init__(self, affinity: nnx.Module, allocation):
+        self.affinity, self.allocation = affinity, allocation
+        self.dim, self.num_experts = affinity.dim, affinity.num_experts
+        allocation.check(self.num_experts)
+
+    @property
+    def per_image(self) -> bool:
+        """Whether the router routes the tokens of each image on their own (Soft MoE)."""
+        return self.allocation.per_image
+
+    @property
+    def capacity_factor(self) -> float:
+        return self.allocation.capacity_factor
+
+    @capacity_factor.setter
+    def capacity_factor(self, value: float) -> None:
+        """Change the allocation's capacity factor (e.g. give every token room at evaluation)."""
+        self.allocation = dataclasses.replace(self.allocation, capacity_factor=value)
+
+    def logits(self, x: Array) -> Array:
+        """The affinity's logits (``[..., T, E]``; Soft MoE: ``[..., T, E, S]``)."""
+        return self.affinity.logits(self._tokens(x))
+
+    def _tokens(self, x):
+        shape = np.shape(x)
+        if len(shape) < 2 or shape[-1] != self.dim:
+            raise ValueError(f"x must have shape [..., T, D={self.dim}], got {shape}.")
+        return x
+
+    def __call__(self, x: Array) -> RouterOutput:
+        x = self._tokens(x)
+        budget = self.allocation.budget(np.shape(x)[-2], self.num_experts)
+        affinities = self.affinity(x, budget)
+        rt = self.allocation(affinities, budget)
+        metrics = routing.routing_metrics(rt)
+        metrics.update(affinities.metrics)
+        probs = affinities.probs if affinities.probs is not None else rt.combine.sum(axis=-1)
+        return RouterOutput(rt, jnp.asarray(affinities.aux_loss, jnp.float32), metrics, probs)
+
+
+# ---------------------------------------------------------------------------- the registry
+
+ALLOCATIONS = ("token", "expert", "soft")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterSpec:
+    """What the library needs to know about a registered router.
+
+    Attributes:
+      build: ``build(dim, num_experts, *, rngs, **options) -> Router``.
+      allocation: how a capacity factor c reaches it: ``"token"`` (options ``k`` and
+        ``capacity_factor``), ``"expert"`` (``capacity_factor``) or ``"soft"``
+        (``slots_per_expert``).
+      per_image: it routes the tokens of each image on their own (Soft MoE).
+      placement: the MoE placement :func:`mini_moe.config.get_config` gives it by default.
+    """
+
+    build: Callable[..., Router]
+    allocation: str
+    per_image: bool = False
+    placement: str = "every2"
+
+    def capacity_options(self, capacity: float, *, tokens: int, num_experts: int) -> dict:
+        """The options that give every expert ``C = round(c T / E)`` slots (see
+        :func:`mini_moe.study.capacity_options`)."""
+        if self.allocation == "token":
+            return {"k": max(1, int(capacity)), "capacity_factor": capacity}
+        if self.allocation == "expert":
+            return {"capacity_factor": capacity}
+        return {"slots_per_expert": routing.capacity(tokens, num_experts, capacity)}
+
+
+#: Every registered router, by name, with its :class:`RouterSpec` (see :func:`register`).
+ROUTERS: dict[str, RouterSpec] = {}
+
+
+def register(name: str, *, allocation: str, per_image: bool | None = None,
+             placement: str = "every2") -> Callable[[Callable], Callable]:
+    """Decorator adding a router builder to :data:`ROUTERS` under ``name``.
+
+    ``allocation`` is ``"token"``, ``"expert"`` or ``"soft"``; ``per_image`` defaults to
+    ``allocation == "soft"``. For example::
+
+        @register("noisy_expert_choice", allocation="expert")
+        def noisy_expert_choice(dim, num_experts, *, capacity_factor=1.0, rngs):
+            return Router(NoisySoftmax(dim, num_experts, rngs=rngs), ExpertChoice(capacity_factor))
+    """
+    if allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}.")
+
+    def add(build):
+        ROUTERS[name] = RouterSpec(build, allocation, allocation == "soft" if per_image is None else bool(per_image),
+                                   placement)
+        return build
+
+    return add
+
+
+def make_router(name: str, dim: int, num_experts: int, *, rngs: nnx.Rngs, **kwargs) -> Router:
+    """Create the router registered as ``name`` (see :data:`ROUTERS`)."""
+    return spec(name).build(dim, num_experts, rngs=rngs, **kwargs)
+
+
+def per_image(name: str | None) -> bool:
+    """Whether the router registered as ``name`` routes each image on its own (False for
+    ``None``, the dense model)."""
+    return name is not None and spec(name).per_image
+
+
+def spec(name: str) -> RouterSpec:
+    """The :class:`RouterSpec` registered as ``name``; a clear error for an unknown name."""
+    if name not in ROUTERS:
+        raise ValueError(f"Unknown router {name!r}; expected one of: {', '.join(sorted(ROUTERS))}.")
+    return ROUTERS[name]
+
+
+# ------------------------------------------------------- the routers of the papers, by name
+
+
+@register("softmax_token_choice", allocation="token")
+def softmax_token_choice(dim, num_experts, *, k=1, capacity_factor=None, batch_priority=False, noise_std=1.0,
+                         balance_loss=True, z_loss=0.0, deterministic=False, rngs: nnx.Rngs) -> Router:
+    """Softmax Token Choice (paper 000, Sec. 2.1): the V-MoE router. Options: see
+    :class:`NoisySoftmax` and :class:`TokenChoice`."""
+    affinity = NoisySoftmax(dim, num_experts, noise_std=noise_std, balance_loss=balance_loss, z_loss=z_loss,
+                            deterministic=deterministic, rngs=rngs)
+    return Router(affinity, TokenChoice(k, capacity_factor, batch_priority))
+
+
+@register("sinkhorn_token_choice", allocation="token")
+def sinkhorn_token_choice(dim, num_experts, *, k=1, capacity_factor=None, batch_priority=False,
+                          softmax_combine=True, num_iters=20, epsilon=1.0, rngs: nnx.Rngs) -> Router:
+    """Sinkhorn Token Choice (paper 000, Sec. 2.2; Clark et al. 2022): Algorithm 1 on the plan
+    of eq. (8)."""
+    affinity = SinkhornPlan(dim, num_experts, softmax_combine=softmax_combine, num_iters=num_iters,
+                            epsilon=epsilon, rngs=rngs)
+    return Router(affinity, TokenChoice(k, capacity_factor, batch_priority))
+
+
+@register("svmoe", allocation="token")
+def svmoe(dim, num_experts, *, k=2, capacity_factor=None, batch_priority=False, num_iters=20,
+          rngs: nnx.Rngs) -> Router:
+    """SVMoE (paper 001): Algorithm 1 on the quadratic plan of softmax(XW), gamma = 1/k."""
+    return Router(QuadraticPlan(dim, num_experts, num_iters=num_iters, rngs=rngs),
+                  TokenChoice(k, capacity_factor, batch_priority))
+
+
+@register("softmax_expert_choice", allocation="expert")
+def softmax_expert_choice(dim, num_experts, *, capacity_factor=1.0, rngs: nnx.Rngs) -> Router:
+    """Softmax Expert Choice (paper 000, Sec. 2.3; Zhou et al. 2022): Algorithm 2 on softmax(XW)."""
+    return Router(Softmax(dim, num_experts, rngs=rngs), ExpertChoice(capacity_factor))
+
+
+@register("sinkhorn_expert_choice", allocation="expert")
+def sinkhorn_expert_choice(dim, num_experts, *, capacity_factor=1.0, softmax_combine=True, num_iters=20,
+                           epsilon=1.0, rngs: nnx.Rngs) -> Router:
+    """Sinkhorn Expert Choice (paper 000, Sec. 2.4): Algorithm 2 on the plan of eq. (8)."""
+    affinity = SinkhornPlan(dim, num_experts, softmax_combine=softmax_combine, num_iters=num_iters,
+                            epsilon=epsilon, rngs=rngs)
+    return Router(affinity, ExpertChoice(capacity_factor))
+
+
+@register("sparsity_constrained_expert_choice", allocation="expert")
+def sparsity_constrained_expert_choice(dim, num_experts, *, capacity_factor=1.0, tol=1e-3, max_iters=30,
+                                       rngs: nnx.Rngs) -> Router:
+    """Sparsity-constrained Expert Choice (paper 000, Sec. 2.5): Algorithm 2 on the plan of
+    eq. (9) with at most C tokens per expert."""
+    return Router(SparsityConstrainedPlan(dim, num_experts, tol=tol, max_iters=max_iters, rngs=rngs),
+                  ExpertChoice(capacity_factor))
+
+
+@register("soft_moe", allocation="soft", placement="last2")
+def soft_moe(dim, num_experts, *, slots_per_expert=1, normalize=True, ablation="soft", rngs: nnx.Rngs) -> Router:
+    """Soft MoE (paper 002; paper 000, Sec. 2.6), for the tokens of one image. Options: see
+    :class:`SlotLogits` and :class:`SoftRouting`."""
+    allocation = SoftRouting(ablation)
+    return Router(SlotLogits(dim, num_experts, slots_per_expert=slots_per_expert, normalize=normalize, rngs=rngs),
+                  allocation)
+
+
+# ------------------------------------------------- names of release 0.1, kept for one release
+
+_MOVED = {
+    "SoftmaxTokenChoice": softmax_token_choice, "SinkhornTokenChoice": sinkhorn_token_choice, "SVMoE": svmoe,
+    "SoftmaxExpertChoice": softmax_expert_choice, "SinkhornExpertChoice": sinkhorn_expert_choice,
+    "SparsityConstrainedExpertChoice": sparsity_constrained_expert_choice, "SoftMoE": soft_moe,
+}
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        new = _MOVED[name]
+        warnings.warn(f"mini_moe.routers.{name} is deprecated since 0.2 and will be removed in 0.3: the router is "
+                      f"now a composition; use make_router({new.__name__!r}, ...) or routers.{new.__name__}(...).",
+                      DeprecationWarning, stacklevel=2)
+        return new
+    raise AttributeError(f"module 'mini_moe.routers' has no attribute {name!r}")

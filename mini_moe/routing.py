@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mini_moe.validate import check_int
+
 Array = Any
 
 
@@ -94,19 +96,14 @@ def capacity(num_tokens: int, num_experts: int, factor: float) -> int:
     Soft MoE's slots per expert. Halves round up (``round(2.5) == 3``), unlike Python's
     banker's rounding.
     """
-    _check_positive_int("num_tokens", num_tokens)
-    _check_positive_int("num_experts", num_experts)
+    check_int("num_tokens", num_tokens)
+    check_int("num_experts", num_experts)
     if not factor > 0:
         raise ValueError(f"factor must be > 0 (k or the capacity factor c), got {factor!r}.")
     return max(1, int(math.floor(factor * num_tokens / num_experts + 0.5)))
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
 
 
 def _check_scores(scores, combine_scores, min_rank: int = 2, name: str = "scores"):
@@ -156,8 +153,8 @@ def token_choice(
     """
     shape = _check_scores(scores, combine_scores)
     num_tokens, num_experts = shape[-2:]
-    _check_positive_int("capacity", capacity)
-    _check_positive_int("k", k)
+    check_int("capacity", capacity)
+    check_int("k", k)
     if k > num_experts:
         raise ValueError(f"k must be <= the number of experts E={num_experts}, got k={k}.")
     scores = jnp.asarray(scores)
@@ -239,7 +236,7 @@ def expert_choice(scores: Array, *, capacity: int, combine_scores: Array | None 
     """
     shape = _check_scores(scores, combine_scores)
     num_tokens = shape[-2]
-    _check_positive_int("capacity", capacity)
+    check_int("capacity", capacity)
     if capacity > num_tokens:
         raise ValueError(
             f"capacity must be <= the number of tokens T={num_tokens} for expert choice, "

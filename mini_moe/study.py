@@ -38,24 +38,19 @@ from flax import nnx
 
 from mini_moe import config as config_lib
 from mini_moe import evaluate, train
-from mini_moe import routing as routing_lib
+from mini_moe import routers as routers_lib
 from mini_moe.routers import ROUTERS
 
-# How the capacity factor c reaches each router: "token" (Algorithm 1: k and the buffer),
-# "expert" (Algorithm 2: the capacity factor), "soft" (Soft MoE: slots per expert).
-ALLOCATION = {
-    "softmax_token_choice": "token",
-    "sinkhorn_token_choice": "token",
-    "svmoe": "token",
-    "softmax_expert_choice": "expert",
-    "sinkhorn_expert_choice": "expert",
-    "sparsity_constrained_expert_choice": "expert",
-    "soft_moe": "soft",
-}
-assert set(ALLOCATION) == set(ROUTERS), "every router needs an allocation kind"
+# The routers of the papers, whose claims :func:`claims` tests, and how the capacity factor c
+# reaches each (declared with its registration: "token", "expert" or "soft"). A study can also
+# train routers registered elsewhere; the claims stay about these.
+PAPER_ROUTERS = ("softmax_token_choice", "sinkhorn_token_choice", "svmoe", "softmax_expert_choice",
+                 "sinkhorn_expert_choice", "sparsity_constrained_expert_choice", "soft_moe")
+ALLOCATION = {name: ROUTERS[name].allocation for name in PAPER_ROUTERS}
 
 # Paper 000's routers as affinity x allocation: pairs that differ only in the affinity, and
 # pairs that differ only in the allocation (the test of :func:`allocation_vs_affinity`).
+#: Pairs of paper routers that differ only in the affinity.
 AFFINITY_PAIRS = (
     ("softmax_token_choice", "sinkhorn_token_choice"), ("softmax_token_choice", "svmoe"),
     ("sinkhorn_token_choice", "svmoe"),
@@ -63,14 +58,16 @@ AFFINITY_PAIRS = (
     ("softmax_expert_choice", "sparsity_constrained_expert_choice"),
     ("sinkhorn_expert_choice", "sparsity_constrained_expert_choice"),
 )
+#: Pairs of paper routers that differ only in the allocation.
 ALLOCATION_PAIRS = (
     ("softmax_token_choice", "softmax_expert_choice"), ("sinkhorn_token_choice", "sinkhorn_expert_choice"),
 )
 
 # Paper 000, Figure 3: Sinkhorn Token Choice whose combine weights come from the transport
 # plan instead of the softmax. A study trains it next to the routers: variant -> (router, options).
+#: The router variants a study can train, by name, as (registered router, options).
 VARIANTS = {"sinkhorn_token_choice_plan_combine": ("sinkhorn_token_choice", {"softmax_combine": False})}
-STUDY_ROUTERS = sorted(ROUTERS) + sorted(VARIANTS)
+STUDY_ROUTERS = sorted(PAPER_ROUTERS) + sorted(VARIANTS)
 CAPACITIES = (0.5, 1.0, 2.0)  # paper 002's sweep; paper 000 uses c = 1, 2
 
 
@@ -97,21 +94,15 @@ def capacity_options(router: str, capacity: float, *, tokens: int, num_experts: 
     Choice (Algorithm 2): capacity factor ``c``. Soft MoE: ``round(c T / E)`` slots per expert
     (at least 1), ``T`` being the tokens of one image.
     """
-    capacity = check_capacity(capacity)
-    kind = ALLOCATION[router]
-    if kind == "token":
-        return {"k": max(1, int(capacity)), "capacity_factor": capacity}
-    if kind == "expert":
-        return {"capacity_factor": capacity}
-    return {"slots_per_expert": routing_lib.capacity(tokens, num_experts, capacity)}
+    return routers_lib.spec(router).capacity_options(check_capacity(capacity), tokens=tokens, num_experts=num_experts)
 
 
 def cell_config(router: str | None, capacity: float, seed: int, *, dataset: str, scale: str | None = None,
                 **overrides) -> config_lib.TrainConfig:
-    """The :class:`TrainConfig` of one study cell: ``router`` (or one of :data:`VARIANTS`;
+    """The :class:`~mini_moe.config.TrainConfig` of one study cell: ``router`` (or one of :data:`VARIANTS`;
     ``None`` for the dense ViT) at capacity factor ``capacity``, in the Every-2 placement."""
-    if router is not None and router not in STUDY_ROUTERS:
-        raise ValueError(f"Unknown router {router!r}; expected one of: {', '.join(STUDY_ROUTERS)}.")
+    if router is not None and router not in ROUTERS and router not in VARIANTS:
+        raise ValueError(f"Unknown router {router!r}; expected one of: {', '.join(sorted(ROUTERS) + sorted(VARIANTS))}.")
     capacity = check_capacity(capacity)
     router, options = VARIANTS.get(router, (router, {}))
     overrides = {"model_placement": "every2", **overrides}
@@ -428,7 +419,7 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=CAPACITIES, see
     Args:
       out_dir: folder of the study; one sub-folder per cell.
       dataset: a dataset name (``mini_moe.data.DATASETS``).
-      routers: router names or :data:`VARIANTS` (default: every router of :data:`ROUTERS`).
+      routers: router names or :data:`VARIANTS` (default: every router of :data:`~mini_moe.routers.ROUTERS`).
       capacities: the capacity factors c to try (:func:`capacity_options`).
       seeds: seeds per cell.
       dense: also train the dense ViT (once per seed).

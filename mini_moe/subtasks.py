@@ -7,7 +7,7 @@ shape as one expert (``D -> H -> D``). So ``K`` experts can fit the data exactly
 sub-task, while one MLP of the same width ``H`` (the dense layer of equal activated compute)
 cannot fit ``K`` unrelated functions. The right routing is known: all tokens of a sub-task
 to one expert, a different expert per sub-task. :func:`run` trains one MoE layer (any router
-of :data:`mini_moe.ROUTERS`) on this data and measures how close the router gets to it.
+of :data:`mini_moe.routers.ROUTERS`) on this data and measures how close the router gets to it.
 
 Metrics (:func:`evaluate_layer`, on fresh test groups):
 
@@ -252,6 +252,7 @@ def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0, return
     return (out, layer, test) if return_layer else out
 
 
+#: The models :func:`run_experiment` can train: the dense layers and every registered router.
 ROUTER_CHOICES = ("dense", "dense_wide") + tuple(sorted(routers_lib.ROUTERS))
 
 

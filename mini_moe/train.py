@@ -49,7 +49,7 @@ def make_model(cfg: TrainConfig) -> VisionMoE:
     return VisionMoE(cfg.model, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
 
 
-#: Parameters that weight decay applies to, by name: the weight matrices of linear maps.
+#: The names of the parameters weight decay applies to (the weight matrices of linear maps).
 DECAYED_PARAMS = ("kernel", "w1", "w2")
 
 

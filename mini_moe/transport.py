@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mini_moe.validate import check_positive
+
 Array = Any
 
 
@@ -35,13 +37,6 @@ def _check_plan_inputs(scores, name="logits"):
     if len(shape) < 2:
         raise ValueError(f"{name} must have shape [..., T, E] (rank >= 2), got shape {shape}.")
     return shape
-
-
-def _check_positive(name, value, integer=False):
-    if integer and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    if not value > 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}.")
 
 
 # ----------------------------------------------------------------------- Sinkhorn
@@ -67,8 +62,8 @@ def sinkhorn(logits: Array, *, num_iters: int, epsilon: float = 1.0) -> Array:
       The plan ``[..., T, E]``, differentiable through the unrolled iterations.
     """
     _check_plan_inputs(logits)
-    _check_positive("num_iters", num_iters, integer=True)
-    _check_positive("epsilon", epsilon)
+    check_positive("num_iters", num_iters, integer=True)
+    check_positive("epsilon", epsilon)
     return _sinkhorn(jnp.asarray(logits, dtype=jnp.result_type(logits, jnp.float32)),
                      num_iters=int(num_iters), epsilon=float(epsilon))
 
@@ -225,8 +220,8 @@ def quadratic_plan(scores: Array, *, gamma: float = 1.0, num_iters: int = 50) ->
       in the scores.
     """
     _check_plan_inputs(scores, "scores")
-    _check_positive("gamma", gamma)
-    _check_positive("num_iters", num_iters, integer=True)
+    check_positive("gamma", gamma)
+    check_positive("num_iters", num_iters, integer=True)
     return _quadratic_plan(jnp.asarray(scores, jnp.result_type(scores, jnp.float32)),
                            gamma=float(gamma), num_iters=int(num_iters))
 
@@ -323,10 +318,10 @@ def sparsity_constrained_plan(
       The plan ``[..., T, E]``, and a :class:`PlanInfo` if ``return_info``.
     """
     shape = _check_plan_inputs(scores, "scores")
-    _check_positive("max_nonzeros", max_nonzeros, integer=True)
-    _check_positive("tol", tol)
-    _check_positive("max_iters", max_iters, integer=True)
-    _check_positive("patience", patience, integer=True)
+    check_positive("max_nonzeros", max_nonzeros, integer=True)
+    check_positive("tol", tol)
+    check_positive("max_iters", max_iters, integer=True)
+    check_positive("patience", patience, integer=True)
     flat = jnp.asarray(scores, jnp.result_type(scores, jnp.float32)).reshape((-1,) + shape[-2:])
     plan, info = _sparse_plan_groups(jax.lax.stop_gradient(flat), max_nonzeros=int(max_nonzeros), tol=float(tol),
                                      max_iters=int(max_iters), patience=int(patience))

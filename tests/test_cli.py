@@ -60,9 +60,9 @@ def test_bench_sparsity_solver_reports_ratio_error_and_gap_to_pot(monkeypatch):
                                                capacity_factor=row["capacity_factor"], rngs=bench.nnx.Rngs(0))
         x = bench.jax.random.normal(bench.jax.random.PRNGKey(0), (2, 32, 16))
         probs = bench.jax.nn.softmax(router.logits(x), axis=-1)
-        _, info = transport.sparsity_constrained_plan(probs, max_nonzeros=router._capacity(32), max_iters=30,
+        _, info = transport.sparsity_constrained_plan(probs, max_nonzeros=router.allocation.budget(32, 4).capacity, max_iters=30,
                                                       return_info=True)
-        pot = bench._pot_semi_dual_optimum(probs[0], router._capacity(32))["best"]
+        pot = bench._pot_semi_dual_optimum(probs[0], router.allocation.budget(32, 4).capacity)["best"]
         assert row["router_objective_gap"][0] == pytest.approx(float(info.objective[0]) - pot, abs=1e-4)
         assert row["pot_objective"] == pytest.approx([pot, row["pot_objective"][1]], abs=1e-4)
 

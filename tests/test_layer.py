@@ -66,7 +66,7 @@ def test_softmax_token_choice_with_full_capacity_is_eq_1(experts, k):
     out = router(x)
     assert out.routing.dispatch.shape[-1] == tokens  # C = round(E * T / E) = T
     y = np.asarray(layer.moe(x, out.routing, experts, path="einsum"))
-    logits = np.asarray(x, np.float64) @ np.asarray(router.dense.kernel[...], np.float64)
+    logits = np.asarray(x, np.float64) @ np.asarray(router.affinity.dense.kernel[...], np.float64)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     for t in range(tokens):

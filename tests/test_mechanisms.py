@@ -76,7 +76,7 @@ def _oracle(cfg):
     teachers: the right routing, by construction."""
     teacher = subtasks.Teacher(cfg)
     layer = subtasks.SubtaskLayer(cfg, rngs=nnx.Rngs(0))
-    layer.router.dense.kernel[...] = 10.0 * teacher.centres.T.astype(np.float32)
+    layer.router.affinity.dense.kernel[...] = 10.0 * teacher.centres.T.astype(np.float32)
     layer.router.capacity_factor = float(cfg.tasks)  # room for every token: nothing dropped
     layer.experts.w1[...] = teacher.w1.astype(np.float32)
     layer.experts.b1[...] = teacher.b1.astype(np.float32)
@@ -97,7 +97,7 @@ def test_the_teachers_are_experts_so_the_right_routing_fits_exactly():
     assert metrics["fvu"] < 0.02
     # The matching makes the score blind to expert labels: permuting the experts changes nothing.
     perm = np.array([2, 0, 3, 1])
-    layer.router.dense.kernel[...] = layer.router.dense.kernel[...][:, perm]
+    layer.router.affinity.dense.kernel[...] = layer.router.affinity.dense.kernel[...][:, perm]
     for name in ("w1", "b1", "w2", "b2"):
         getattr(layer.experts, name)[...] = getattr(layer.experts, name)[...][perm]
     assert subtasks.evaluate_layer(layer, x, y, task, cfg.tasks) == pytest.approx(metrics)
@@ -148,7 +148,7 @@ def test_slot_purity_is_one_for_sparse_routings_and_one_over_k_for_uniform_mixin
     x, _, task = teacher.sample(np.random.default_rng(2), 4)
     assert subtasks.slot_purity(layer, x, task, 4) == 1.0
     soft = subtasks.SubtaskLayer(dataclasses.replace(cfg, router="soft_moe"), rngs=nnx.Rngs(0))
-    soft.router.phi[...] = np.zeros_like(soft.router.phi[...])  # equal logits: every slot averages all tokens
+    soft.router.affinity.phi[...] = np.zeros_like(soft.router.affinity.phi[...])  # equal logits: every slot averages all tokens
     # Balanced groups (8 tokens of each sub-task): uniform mixing gives exactly 1/K.
     task = np.tile(np.repeat(np.arange(4), 8), (4, 1))
     assert subtasks.slot_purity(soft, x, task, 4) == pytest.approx(0.25)

@@ -36,3 +36,20 @@ def test_listing_reads_like_prose():
     assert listing([np.int64(1)]) == "1"
     assert listing(["a", "b"]) == "a and b"
     assert listing([]) == "none" and listing([], none="no token") == "no token"
+
+
+def test_one_version_everywhere():
+    """The package version, pyproject.toml's and the git ref the chapters install on Colab agree,
+    and the CHANGELOG has an entry for it."""
+    import pathlib
+    import tomllib
+
+    import yaml
+
+    import mini_moe
+
+    root = pathlib.Path(__file__).parents[1]
+    assert tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"] == mini_moe.__version__
+    config = yaml.safe_load((root / "_config.yml").read_text())
+    assert config["parse"]["myst_substitutions"]["mini_moe_ref"] == f"v{mini_moe.__version__}"
+    assert f"## {mini_moe.__version__} (" in (root / "CHANGELOG.md").read_text()

@@ -106,7 +106,7 @@ def test_every_router_gets_round_c_T_over_E_slots_per_expert_in_every2(router, c
     out = r(x)
     assert out.routing.dispatch.shape[-2:] == (m.num_experts, int(np.floor(capacity * tokens / m.num_experts + 0.5)))
     if study.ALLOCATION[router] == "token":
-        assert r.k == (1 if capacity <= 1 else int(capacity))
+        assert r.allocation.k == (1 if capacity <= 1 else int(capacity))
 
 
 def test_bad_capacities_are_rejected_with_the_reason():

@@ -485,12 +485,12 @@ def test_weight_decay_only_on_weight_matrices(router):
         expected |= ({f"blocks/{i}/mlp/experts/w1", f"blocks/{i}/mlp/experts/w2"} if moe
                      else {f"blocks/{i}/mlp/fc1/kernel", f"blocks/{i}/mlp/fc2/kernel"})
         if moe and router != "soft_moe":
-            expected.add(f"blocks/{i}/mlp/router/dense/kernel")  # the router's W
+            expected.add(f"blocks/{i}/mlp/router/affinity/dense/kernel")  # the router's W
     assert decayed == expected, (sorted(decayed - expected), sorted(expected - decayed))
     kept = set(before) - decayed
     assert {"pos", "norm/scale", "norm/bias", "head/bias", "blocks/1/mlp/experts/b1"} <= kept
     if router == "soft_moe":
-        assert {"blocks/0/mlp/router/scale", "blocks/0/mlp/router/phi"} <= kept
+        assert {"blocks/0/mlp/router/affinity/scale", "blocks/0/mlp/router/affinity/phi"} <= kept
 
 
 def _modes(model) -> dict:
@@ -515,7 +515,7 @@ def test_evaluation_helpers_leave_the_model_mode_as_they_found_it(digits, helper
     if mode != "as_built":  # as built: the router is noisy, attention deterministic (mixed)
         getattr(model, mode)()
     modes = _modes(model)
-    assert any(path[-1] == "router" for path in modes)  # the noisy router is among them
+    assert any(tuple(path[-2:]) == ("router", "affinity") for path in modes)  # the noisy affinity is among them
     _EVAL_HELPERS[helper](model, *digits)
     assert _modes(model) == modes
     if mode == "eval":  # still no router noise: the same input gives the same output
@@ -533,3 +533,36 @@ def test_study_trains_prc_cells_without_a_dense_baseline(tmp_path):
     assert cell["router"] == "softmax_token_choice" and cell["steps"] == TINY["steps"]
     with pytest.raises(ValueError, match="Nothing to run"):
         study.run_study(tmp_path / "empty", dataset="digits", routers=[], dense=False, progress=False)
+
+
+@pytest.fixture
+def user_router():
+    """A router registered outside the package: the noisy V-MoE softmax with Expert Choice."""
+    from mini_moe import routers
+
+    @routers.register("noisy_expert_choice", allocation="expert")
+    def noisy_expert_choice(dim, num_experts, *, capacity_factor=1.0, rngs):
+        return routers.Router(routers.NoisySoftmax(dim, num_experts, rngs=rngs), routers.ExpertChoice(capacity_factor))
+
+    yield "noisy_expert_choice"
+    del routers.ROUTERS["noisy_expert_choice"]
+
+
+def test_a_router_registered_outside_the_package_trains_studies_and_benchmarks(user_router, tmp_path, digits):
+    from mini_moe import bench, study
+
+    # model + train: its declared facts reach the config (groups of images, Every-2 placement)
+    cfg = config_lib.get_config("quick", dataset="digits", router=user_router, **TINY)
+    assert cfg.model.placement == "every2" and cfg.model.router == user_router
+    history = train.train(cfg, tmp_path / "run", progress=False, datasets=digits)
+    assert len(history["train"]) >= 1 and np.isfinite(history["train"][-1]["loss"])
+    # study: its capacity option comes from the registration
+    cell = study.cell_config(user_router, 2, 0, dataset="digits", scale="quick")
+    assert dict(cell.model.router_kwargs) == {"capacity_factor": 2.0}
+    tiny = {k: v for k, v in TINY.items() if k != "model_group_images"}
+    results = study.run_study(tmp_path / "study", dataset="digits", routers=[user_router], capacities=[1],
+                              seeds=[0], dense=False, scale="quick", progress=False, **tiny)
+    assert [c["router"] for c in results["cells"]] == [user_router]
+    assert results["cells"][0]["mechanisms"]["layers"][0]["unprocessed"] is not None
+    # bench: its MoE layer is timed like the others
+    assert bench.moe_layer_ms(user_router, "quick", repeats=1) > 0
