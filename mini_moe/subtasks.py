@@ -36,6 +36,7 @@ from flax import nnx
 from mini_moe import routers as routers_lib
 from mini_moe import study
 from mini_moe.layer import MlpExperts, moe
+from mini_moe.validate import check_int
 
 Array = Any
 
@@ -82,9 +83,7 @@ class SubtaskConfig:
         if self.frequencies not in FREQUENCIES:
             raise ValueError(f"frequencies must be one of {FREQUENCIES}, got {self.frequencies!r}.")
         for name in ("tasks", "dim", "hidden", "group_tokens", "groups", "steps", "eval_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(name, getattr(self, name))
         study.check_capacity(self.capacity)
 
     def probabilities(self) -> np.ndarray:
