@@ -244,11 +244,11 @@ def sparsity_solver_benchmarks(repeats: int, pot_groups: int = 2) -> list[dict]:
             probs = jax.nn.softmax(router.logits(x), axis=-1)
             cap = router.allocation.budget(tokens, experts).capacity
             solver = router.affinity
+            pot = [_pot_semi_dual_optimum(probs[g], cap)["best"] for g in range(pot_groups)]
             for label, options in (("router", dict(tol=solver.tol, max_iters=solver.max_iters)), ("default", {})):
                 _, info = transport.sparsity_constrained_plan(probs, max_nonzeros=cap, return_info=True, **options)
                 row[f"{label}_iterations"] = int(jnp.max(info.iterations))
                 row[f"{label}_mean_marginal_error"] = round(float(jnp.mean(info.mean_marginal_error)), 4)
-                pot = [_pot_semi_dual_optimum(probs[g], cap)["best"] for g in range(pot_groups)] if label == "router" else pot
                 gaps = [float(info.objective[g]) - pot[g] for g in range(pot_groups)]
                 row[f"{label}_objective_gap"] = [round(g, 5) for g in gaps]
                 row[f"{label}_objective_relative_gap"] = [round(g / abs(p), 7) for g, p in zip(gaps, pot)]

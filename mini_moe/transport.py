@@ -368,16 +368,14 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
     k = min(max_nonzeros, num_tokens)
     step_scale = (jnp.max(scores_t, axis=(1, 2)) - jnp.min(scores_t, axis=(1, 2)) + 1e-12) / (2 * num_experts)
 
-    def evaluate(f, keep):
-        shifted = scores_t - f[:, None, :]
+    def evaluate(f, shifted, keep):  # shifted = scores_t - f, computed once per iteration
         plan_t = jnp.maximum(jnp.where(keep, shifted - _michelot_threshold(shifted, col_mass, keep)[..., None], 0.0), 0.0)
         residual = plan_t.sum(axis=1) - 1.0  # minus the gradient of F
         objective = jnp.sum(f, axis=-1) + jnp.sum(plan_t * shifted - 0.5 * plan_t**2, axis=(1, 2))
         kth = jnp.min(jnp.where(keep, shifted, jnp.inf), axis=-1)  # [G, E]: each column's C-th value
         return plan_t, residual, objective, kth
 
-    def top_k(f, kth, moved):
-        shifted = scores_t - f[:, None, :]
+    def top_k(shifted, kth, moved):
         margin = 2 * moved[:, None] + 1e-6 * (1 + jnp.abs(kth))
         mask, exact = _bracketed_top_k_mask(shifted, k, kth - margin, kth + margin)
         return jax.lax.cond(exact, lambda: mask, lambda: _top_k_mask(shifted, k))
@@ -390,11 +388,12 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
     level = max(1, min(num_experts - 1, round(k * num_experts / num_tokens)))
     best = jax.lax.top_k(scores, level + 1)[0] if num_experts > 1 else jnp.concatenate([scores, scores], -1)
     f = best[..., level - 1] - 0.01 * (best[..., level - 1] - best[..., level])
-    plan_t, residual, obj, kth = evaluate(f, _top_k_mask(scores_t - f[:, None, :], k))
+    shifted = scores_t - f[:, None, :]
+    plan_t, residual, obj, kth = evaluate(f, shifted, _top_k_mask(shifted, k))
     err, max_err = errors(residual)
     zeros = jnp.zeros((num_groups,), jnp.int32)
     state = dict(i=zeros, f=f, residual=residual, kth=kth, max_err=max_err, plan=plan_t, best_err=err,
-                 best_max=max_err, best_obj=obj, obj=obj, min_obj=obj, stall=zeros)
+                 best_max=max_err, best_obj=obj, min_obj=obj, stall=zeros)
 
     def active(s):
         return (s["i"] < max_iters) & (s["max_err"] > tol) & (s["stall"] < patience)
@@ -404,7 +403,8 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
         step = jnp.where(run, step_scale / jnp.sqrt(1.0 + s["i"]), 0.0)
         f = s["f"] + s["residual"] * step[:, None]
         moved = jnp.max(jnp.abs(s["residual"]), axis=-1) * step
-        plan_t, residual, obj, kth = evaluate(f, top_k(f, s["kth"], moved))
+        shifted = scores_t - f[:, None, :]
+        plan_t, residual, obj, kth = evaluate(f, shifted, top_k(shifted, s["kth"], moved))
         err, max_err = errors(residual)
         better = run & (err < s["best_err"])
         improved = better | (obj < s["min_obj"] - 1e-6 * jnp.abs(s["min_obj"]))
@@ -416,7 +416,7 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
             i=s["i"] + run, f=pick(f, s["f"]), residual=pick(residual, s["residual"]), kth=pick(kth, s["kth"]),
             max_err=pick(max_err, s["max_err"]), plan=pick(plan_t, s["plan"], better),
             best_err=pick(err, s["best_err"], better), best_max=pick(max_err, s["best_max"], better),
-            best_obj=pick(obj, s["best_obj"], better), obj=pick(obj, s["obj"]),
+            best_obj=pick(obj, s["best_obj"], better),
             min_obj=pick(jnp.minimum(obj, s["min_obj"]), s["min_obj"]),
             stall=pick(jnp.where(improved, 0, s["stall"] + 1), s["stall"]),
         )
