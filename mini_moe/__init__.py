@@ -13,8 +13,9 @@ Every module, in the order the book introduces them:
   ``make_router`` or composed by hand; :func:`~mini_moe.routers.register` adds your own.
 * :mod:`mini_moe.model` — the ViT whose MLPs can be MoE layers (V-MoE).
 * :mod:`mini_moe.config` — the ``quick`` (CPU) and ``full`` (GPU/TPU) configurations.
-* :mod:`mini_moe.data` — digits, Fashion-MNIST and tfds datasets, batches, augmentation with
-  known geometry (paper 004's view correspondences).
+* :mod:`mini_moe.data` — digits, Fashion-MNIST and tfds datasets, and batches.
+* :mod:`mini_moe.augment` — random resized crops that remember their geometry, and the patch
+  correspondences of two views (paper 004).
 * :mod:`mini_moe.train` — training with checkpoints and exact resume.
 * :mod:`mini_moe.evaluate` — accuracy, the 10-shot probe, routing diagnostics and mechanisms.
 * :mod:`mini_moe.study` — the head-to-head router study and its statistics.

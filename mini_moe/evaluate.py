@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mini_moe import data as data_lib
+from mini_moe import augment
 from mini_moe import layer, parallel
 from mini_moe import losses as losses_lib
 from mini_moe import routers as routers_lib
@@ -58,9 +58,9 @@ def _eval_mode(model):
             setattr(module, name, value)
 
 
-@nnx.jit(static_argnames=("return_routing",))
-def _forward(model, images, return_routing=False):
-    return model(images, return_routing=return_routing)
+@nnx.jit(static_argnames=("return_routing", "mesh"))
+def _forward(model, images, return_routing=False, mesh=None):
+    return model(images, return_routing=return_routing, mesh=mesh)
 
 
 def _padded_batches(model, images: np.ndarray, batch_size: int):
@@ -79,10 +79,10 @@ def _padded_batches(model, images: np.ndarray, batch_size: int):
 
 
 def _collect(model, images, field, batch_size):
-    out = []
+    out, mesh = [], parallel.model_mesh(model)
     with _eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
-            out.append(np.asarray(getattr(_forward(model, batch), field)[:n]))
+            out.append(np.asarray(getattr(_forward(model, batch, mesh=mesh), field)[:n]))
     return np.concatenate(out)
 
 
@@ -416,16 +416,16 @@ VIEW_CROP = dict(scale=(0.35, 1.0), ratio=(3 / 4, 4 / 3), flip=True)  # paper 00
 def _view_pairs(model, images: np.ndarray, *, seed: int, batch_size: int, crop: dict):
     """Per batch: two random views of each image (the higher-resolution one first), each view's
     router distributions per MoE layer ``[n, P, E]``, and the patch correspondences
-    ``index, valid [n, P]`` (see :func:`mini_moe.data.patch_correspondence`)."""
+    ``index, valid [n, P]`` (see :func:`mini_moe.augment.patch_correspondence`)."""
     cfg = model.cfg
     rng = np.random.default_rng(seed)
     with _eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             batch = np.asarray(batch)
-            v1, t1 = data_lib.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)
-            v2, t2 = data_lib.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)
+            v1, t1 = augment.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)
+            v2, t2 = augment.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)
             v1, t1, v2, t2 = order_views(v1, t1, v2, t2, out_size=cfg.image_size)
-            index, valid = data_lib.patch_correspondence(
+            index, valid = augment.patch_correspondence(
                 t1, t2, out_size1=cfg.image_size, out_size2=cfg.image_size, patch_size=cfg.patch_size)
             p1 = [np.asarray(p)[:n] for p in _forward(model, jnp.asarray(v1)).probs]
             p2 = [np.asarray(p)[:n] for p in _forward(model, jnp.asarray(v2)).probs]
@@ -452,7 +452,7 @@ def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: i
     view is view 1. For every view-1 patch whose centre lands inside view 2, the top-1
     (and top-2) experts of its distribution are compared with those of the nearest
     view-2 patch. ``scale``, ``ratio`` and ``flip`` go to
-    :func:`mini_moe.data.random_resized_crop`. Returns one dict per MoE layer: ``top1``, ``top2`` (both in order),
+    :func:`mini_moe.augment.random_resized_crop`. Returns one dict per MoE layer: ``top1``, ``top2`` (both in order),
     ``top2_unordered`` (None for a model with one expert) and ``pairs`` (number of patch pairs compared).
     """
     cfg = model.cfg
@@ -477,8 +477,8 @@ def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: i
 
 def order_views(v1, t1, v2, t2, *, out_size):
     """Swap the two views per image so that view 1 has the higher resolution (paper 004)."""
-    swap = data_lib.view_resolution(t2, out_size=out_size) > data_lib.view_resolution(t1, out_size=out_size)
+    swap = augment.view_resolution(t2, out_size=out_size) > augment.view_resolution(t1, out_size=out_size)
     s = swap[:, None, None, None]
-    first = np.where(s, v2, v1), data_lib.CropTransform(*[np.where(swap, b, a) for a, b in zip(t1, t2)])
-    second = np.where(s, v1, v2), data_lib.CropTransform(*[np.where(swap, a, b) for a, b in zip(t1, t2)])
+    first = np.where(s, v2, v1), augment.CropTransform(*[np.where(swap, b, a) for a, b in zip(t1, t2)])
+    second = np.where(s, v1, v2), augment.CropTransform(*[np.where(swap, a, b) for a, b in zip(t1, t2)])
     return first[0], first[1], second[0], second[1]

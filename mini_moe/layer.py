@@ -31,6 +31,7 @@ from mini_moe.routing import Routing
 Array = Any
 
 PATHS = ("auto", "einsum", "gather")
+EXPERT_AXIS = "expert"  # the mesh axis (and sharding annotation) that expert parameters are split over
 
 
 def moe(x: Array, routing: Routing, experts: Callable[[Array], Array], *, path: str = "auto") -> Array:
@@ -140,11 +141,16 @@ class MlpExperts(nnx.Module):
 
     def __init__(self, num_experts: int, dim: int, hidden: int, out_dim: int | None = None, *, rngs: nnx.Rngs):
         out_dim = dim if out_dim is None else out_dim
-        init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        self.w1 = nnx.Param(init(rngs.params(), (num_experts, dim, hidden)))
-        self.b1 = nnx.Param(jnp.zeros((num_experts, 1, hidden)))
-        self.w2 = nnx.Param(init(rngs.params(), (num_experts, hidden, out_dim)))
-        self.b2 = nnx.Param(jnp.zeros((num_experts, 1, out_dim)))
+        # Every parameter is annotated with its leading expert axis (Flax sharding metadata), which
+        # is what mini_moe.parallel.shard_model reads; nothing is placed until then.
+        lecun = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+        init = nnx.with_partitioning(lecun, (EXPERT_AXIS, None, None))
+        zeros = nnx.with_partitioning(nnx.initializers.zeros, (EXPERT_AXIS, None, None))
+        key1, key2 = rngs.params(), rngs.params()
+        self.w1 = nnx.Param(init(key1, (num_experts, dim, hidden)), eager_sharding=False)
+        self.b1 = nnx.Param(zeros(None, (num_experts, 1, hidden)), eager_sharding=False)
+        self.w2 = nnx.Param(init(key2, (num_experts, hidden, out_dim)), eager_sharding=False)
+        self.b2 = nnx.Param(zeros(None, (num_experts, 1, out_dim)), eager_sharding=False)
 
     def ragged(self, rows: Array, expert: Array, group_sizes: Array) -> Array:
         """Apply expert e to its block of ``rows`` ``[M, D]``, sorted by expert: the first

@@ -130,10 +130,14 @@ class MoeMlp(nnx.Module):
         self.per_image = self.router.per_image
         self.group_images = cfg.group_images
         self.path = cfg.moe_path
-        self.mesh = None  # set by mini_moe.parallel.shard_model: experts sharded across devices
 
-    def __call__(self, x: Array) -> tuple[Array, routers_lib.RouterOutput]:
-        """``x [B, N, D]`` -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``)."""
+    def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
+        """``x [B, N, D]`` -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``).
+
+        With a ``mesh`` (:func:`mini_moe.parallel.make_mesh`), the experts run split over its
+        ``"expert"`` axis and tokens travel by ``all_to_all``
+        (:func:`mini_moe.parallel.expert_parallel_moe`); without one, on the devices the arrays
+        are on."""
         b, n, d = x.shape
         per_group = 1 if self.per_image else min(self.group_images, b)
         if b % per_group:
@@ -143,8 +147,8 @@ class MoeMlp(nnx.Module):
             )
         groups = x.reshape(b // per_group, per_group * n, d)
         out = self.router(groups)
-        if self.mesh is not None:
-            y = parallel.expert_parallel_moe(groups, out.routing, self.experts, self.mesh)
+        if mesh is not None:
+            y = parallel.expert_parallel_moe(groups, out.routing, self.experts, mesh)
         else:
             y = moe(groups, out.routing, self.experts, path=self.path)
         return y.reshape(b, n, d), out.replace(probs=out.probs.reshape(b, n, -1))
@@ -169,10 +173,10 @@ class Block(nnx.Module):
         self.mlp = MoeMlp(cfg, rngs=rngs) if use_moe else DenseMlp(cfg.dim, cfg.mlp_dim, rngs=rngs)
         self.use_moe = use_moe
 
-    def __call__(self, x):
+    def __call__(self, x, mesh=None):
         x = x + self.attn(self.norm1(x))
         if self.use_moe:
-            y, out = self.mlp(self.norm2(x))
+            y, out = self.mlp(self.norm2(x), mesh)
             return x + y, out
         return x + self.mlp(self.norm2(x)), None
 
@@ -190,7 +194,12 @@ class VisionMoE(nnx.Module):
         self.norm = nnx.LayerNorm(cfg.dim, rngs=rngs)
         self.head = nnx.Linear(cfg.dim, cfg.num_classes, kernel_init=nnx.initializers.zeros, rngs=rngs)
 
-    def __call__(self, images: Array, *, return_routing: bool = False) -> ModelOutput:
+    def __call__(self, images: Array, *, return_routing: bool = False,
+                 mesh: parallel.Mesh | None = None) -> ModelOutput:
+        """Classify ``images [B, H, W, C]``. ``return_routing`` also returns every MoE layer's
+        routing tensors; ``mesh`` runs the experts split over its ``"expert"`` axis (expert
+        parallelism: place the parameters with :func:`mini_moe.parallel.shard_model` and the
+        batch with :func:`mini_moe.parallel.batch_sharding` first)."""
         cfg = self.cfg
         shape = np.shape(images)
         if len(shape) != 4 or shape[1:] != (cfg.image_size, cfg.image_size, cfg.channels):
@@ -200,7 +209,7 @@ class VisionMoE(nnx.Module):
         x = self.embed(patchify(images, cfg.patch_size)) + self.pos[...]
         aux, metrics, probs, routings = jnp.zeros(()), [], [], []
         for block in self.blocks:
-            x, out = block(x)
+            x, out = block(x, mesh)
             if out is not None:
                 aux = aux + out.aux_loss
                 metrics.append(out.metrics)

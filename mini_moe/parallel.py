@@ -18,8 +18,9 @@ experts) and ``E / n_expert`` of the experts of each MoE layer (replicated along
 Steps 2 and 4 are the only communication; each moves ``E * C * D`` numbers per group.
 Sparse routers and Soft MoE share the code: only their dispatch/combine tensors differ.
 
-Usage: ``mesh = make_mesh(data=2, expert=4)``, ``shard_model(model, mesh)``, then train
-with batches placed by :func:`batch_sharding` (``mini_moe.train`` does this when
+Usage: ``mesh = make_mesh(data=2, expert=4)``, ``shard_model(model, mesh)`` (places the
+parameters as their sharding annotations say), then call ``model(images, mesh=mesh)`` on
+batches placed by :func:`batch_sharding` (``mini_moe.train`` does all three when
 ``TrainConfig.mesh`` is set; the CLI's ``train --mesh 2x4``). On one host with a CPU,
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` simulates 8 devices; on several
 hosts, call ``jax.distributed.initialize()`` first and the same code runs on the global mesh.
@@ -35,11 +36,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mini_moe.layer import EXPERT_AXIS
 from mini_moe.routing import Routing
 from mini_moe.validate import check_int
 
 Array = Any
-AXES = ("data", "expert")
+AXES = ("data", EXPERT_AXIS)
 BATCH = P(AXES)  # the leading (batch / group) axis split over every device
 
 
@@ -76,51 +78,53 @@ def expert_parallel_moe(x: Array, routing: Routing, experts: nnx.Module, mesh: M
             f"({mesh.size}); use a batch of a multiple of {mesh.size} groups."
         )
     num_experts = np.shape(routing.dispatch)[-2]
-    if num_experts % mesh.shape["expert"]:
+    if num_experts % mesh.shape[EXPERT_AXIS]:
         raise ValueError(
-            f"num_experts={num_experts} must be a multiple of the mesh's expert axis ({mesh.shape['expert']})."
+            f"num_experts={num_experts} must be a multiple of the mesh's expert axis ({mesh.shape[EXPERT_AXIS]})."
         )
     graphdef, state = nnx.split(experts)
 
     def local(x, dispatch, combine, state):
         slots = jnp.einsum("gtec,gtd->egcd", dispatch.astype(x.dtype), x)               # [E, G_loc, C, D]
-        slots = jax.lax.all_to_all(slots, "expert", split_axis=0, concat_axis=1, tiled=True)
+        slots = jax.lax.all_to_all(slots, EXPERT_AXIS, split_axis=0, concat_axis=1, tiled=True)
         e_local, g, c, d = slots.shape                                                   # [E/n, n*G_loc, C, D]
         out = nnx.merge(graphdef, state)(slots.reshape(e_local, g * c, d)).reshape(e_local, g, c, -1)
-        out = jax.lax.all_to_all(out, "expert", split_axis=1, concat_axis=0, tiled=True)  # [E, G_loc, C, D]
+        out = jax.lax.all_to_all(out, EXPERT_AXIS, split_axis=1, concat_axis=0, tiled=True)  # [E, G_loc, C, D]
         return jnp.einsum("gtec,egcd->gtd", combine.astype(out.dtype), out)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(BATCH, BATCH, BATCH, P("expert")), out_specs=BATCH)(
+    # The experts' parameters enter split as their sharding annotations say (expert axis first).
+    in_specs = (BATCH, BATCH, BATCH, nnx.get_partition_spec(state))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=BATCH)(
         x, routing.dispatch, routing.combine, state)
 
 
-def _is_expert_param(path) -> bool:
-    return any(getattr(key, "key", getattr(key, "name", None)) == "experts" for key in path)
-
-
 def state_shardings(tree, mesh: Mesh):
-    """NamedShardings for a model or optimizer state: leaves under an ``experts``
-    module split along their first (expert) axis over ``"expert"``, the rest replicated."""
-    def spec(path, leaf):
-        expert = _is_expert_param(path) and np.ndim(leaf) >= 1
-        return NamedSharding(mesh, P("expert") if expert else P())
+    """NamedShardings for a model or optimizer state, read from the parameters' Flax sharding
+    annotations: a leaf annotated ``("expert", None, ...)`` (every parameter of
+    :class:`~mini_moe.layer.MlpExperts`, and Adam's moments of it) is split along that axis over
+    ``mesh``'s ``"expert"`` axis; a leaf without an annotation is replicated."""
+    specs = nnx.get_partition_spec(tree)
+    for path, (leaf, spec) in _annotated_leaves(tree, specs):
+        for size, axis in zip(np.shape(leaf), spec):
+            if axis is not None and size % mesh.shape[axis]:
+                raise ValueError(
+                    f"{'/'.join(map(str, path))} has {size} entries along its {axis!r} axis, which must be a "
+                    f"multiple of the mesh's {axis!r} axis ({mesh.shape[axis]}): choose num_experts accordingly."
+                )
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
-    return jax.tree_util.tree_map_with_path(spec, tree)
+
+def _annotated_leaves(tree, specs):
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return [(tuple(getattr(k, "key", getattr(k, "name", k)) for k in path), (leaf, spec))
+            for (path, leaf), spec in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
+            if len(spec)]
 
 
 def shard_model(model: nnx.Module, mesh: Mesh, optimizer: nnx.Optimizer | None = None) -> None:
-    """Put ``model`` (and ``optimizer``) on ``mesh``: experts sharded, the rest replicated,
-    and make every MoE layer exchange tokens with all_to_all. In place."""
-    from mini_moe.model import MoeMlp
-
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, MoeMlp):
-            if module.experts.w1.shape[0] % mesh.shape["expert"]:
-                raise ValueError(
-                    f"num_experts={module.experts.w1.shape[0]} must be a multiple of the mesh's expert axis "
-                    f"({mesh.shape['expert']})."
-                )
-            module.mesh = mesh
+    """Place ``model``'s (and ``optimizer``'s) state on ``mesh`` as its sharding annotations say:
+    expert parameters split over ``"expert"``, the rest replicated. The layers are not changed:
+    expert parallelism is switched on per call, ``model(images, mesh=mesh)``."""
     for obj in (model, optimizer):
         if obj is not None:
             state = nnx.state(obj)
@@ -128,10 +132,13 @@ def shard_model(model: nnx.Module, mesh: Mesh, optimizer: nnx.Optimizer | None =
 
 
 def model_mesh(model: nnx.Module) -> Mesh | None:
-    """The mesh a model was sharded onto by :func:`shard_model`, or None."""
-    from mini_moe.model import MoeMlp
-
-    return next((m.mesh for _, m in nnx.iter_modules(model) if isinstance(m, MoeMlp) and m.mesh is not None), None)
+    """The mesh that :func:`shard_model` placed ``model``'s expert parameters on, or None."""
+    state = nnx.state(model, nnx.Param)
+    for _, (leaf, _) in _annotated_leaves(state, nnx.get_partition_spec(state)):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding) and EXPERT_AXIS in sharding.mesh.axis_names:
+            return sharding.mesh
+    return None
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

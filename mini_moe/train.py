@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from mini_moe import augment
 from mini_moe import data as data_lib
 from mini_moe import evaluate, losses, parallel
 from mini_moe.config import TrainConfig
@@ -96,24 +97,25 @@ def load_data(cfg: TrainConfig):
 # --------------------------------------------------------------------- steps
 
 
-def _loss_fn(model: VisionMoE, images, labels, aux_weight):
-    out = model(images)
+def _loss_fn(model: VisionMoE, images, labels, aux_weight, mesh):
+    out = model(images, mesh=mesh)
     ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, labels).mean()
     return ce + aux_weight * out.aux_loss, (ce, out)
 
 
-@nnx.jit(static_argnames=("aux_weight",))
-def train_step(model, optimizer, images, labels, aux_weight: float):
-    """One AdamW step on ``cross-entropy + aux_weight * sum of MoE auxiliary losses``."""
-    grads, (ce, out) = nnx.grad(_loss_fn, has_aux=True)(model, images, labels, aux_weight)
+@nnx.jit(static_argnames=("aux_weight", "mesh"))
+def train_step(model, optimizer, images, labels, aux_weight: float, mesh=None):
+    """One AdamW step on ``cross-entropy + aux_weight * sum of MoE auxiliary losses``
+    (``mesh``: expert parallelism, see :func:`mini_moe.parallel.shard_model`)."""
+    grads, (ce, out) = nnx.grad(_loss_fn, has_aux=True)(model, images, labels, aux_weight, mesh)
     optimizer.update(model, grads)
     accuracy = jnp.mean(jnp.argmax(out.logits, -1) == labels)
     return {"loss": ce, "aux_loss": out.aux_loss, "accuracy": accuracy, "router": _mean_metrics(out.metrics)}
 
 
-def _prc_loss_fn(model, view1, view2, labels, index, valid, lambdas):
+def _prc_loss_fn(model, view1, view2, labels, index, valid, lambdas, mesh):
     batch = view1.shape[0]
-    out = model(jnp.concatenate([view1, view2]))
+    out = model(jnp.concatenate([view1, view2]), mesh=mesh)
     ce = optax.softmax_cross_entropy_with_integer_labels(out.logits, jnp.concatenate([labels, labels])).mean()
     prc = sum(
         losses.pairwise_router_consistency(p[:batch], p[batch:], index, valid,
@@ -123,11 +125,12 @@ def _prc_loss_fn(model, view1, view2, labels, index, valid, lambdas):
     return ce + prc, (ce, prc, out)
 
 
-@nnx.jit(static_argnames=("lambdas",))
-def prc_train_step(model, optimizer, view1, view2, labels, index, valid, lambdas: tuple):
+@nnx.jit(static_argnames=("lambdas", "mesh"))
+def prc_train_step(model, optimizer, view1, view2, labels, index, valid, lambdas: tuple, mesh=None):
     """One AdamW step on the cross-entropy of both views + the PRC loss of every MoE
     layer (paper 004), which replaces the routers' own auxiliary losses."""
-    grads, (ce, prc, out) = nnx.grad(_prc_loss_fn, has_aux=True)(model, view1, view2, labels, index, valid, lambdas)
+    grads, (ce, prc, out) = nnx.grad(_prc_loss_fn, has_aux=True)(model, view1, view2, labels, index, valid, lambdas,
+                                                                     mesh)
     optimizer.update(model, grads)
     accuracy = jnp.mean(jnp.argmax(out.logits[: view1.shape[0]], -1) == labels)
     return {"loss": ce, "aux_loss": prc, "accuracy": accuracy, "router": _mean_metrics(out.metrics)}
@@ -213,14 +216,14 @@ def batch_at(dataset, cfg: TrainConfig, step: int):
     rng = np.random.default_rng((cfg.seed, step))
     size = images.shape[1]
     if cfg.prc:  # two views, the higher-resolution one first, and their correspondences
-        v1, t1 = data_lib.random_resized_crop(rng, images, out_size=size)
-        v2, t2 = data_lib.random_resized_crop(rng, images, out_size=size)
+        v1, t1 = augment.random_resized_crop(rng, images, out_size=size)
+        v2, t2 = augment.random_resized_crop(rng, images, out_size=size)
         v1, t1, v2, t2 = evaluate.order_views(v1, t1, v2, t2, out_size=size)
-        index, valid = data_lib.patch_correspondence(t1, t2, out_size1=size, out_size2=size,
+        index, valid = augment.patch_correspondence(t1, t2, out_size1=size, out_size2=size,
                                                      patch_size=cfg.model.patch_size)
         return (v1, v2, labels, index, valid)
     if cfg.augment:
-        images, _ = data_lib.random_resized_crop(rng, images, out_size=size)
+        images, _ = augment.random_resized_crop(rng, images, out_size=size)
     return images, labels
 
 
@@ -230,8 +233,9 @@ def _step(model, optimizer, batch, cfg: TrainConfig, mesh=None):
     else:  # split every array's batch axis over the devices
         batch = tuple(jax.device_put(a, parallel.batch_sharding(mesh)) for a in batch)
     if cfg.prc:
-        return prc_train_step(model, optimizer, *batch, lambdas=(cfg.prc_lambda_diag, cfg.prc_lambda_offdiag))
-    return train_step(model, optimizer, *batch, aux_weight=cfg.aux_loss_weight)
+        return prc_train_step(model, optimizer, *batch, lambdas=(cfg.prc_lambda_diag, cfg.prc_lambda_offdiag),
+                              mesh=mesh)
+    return train_step(model, optimizer, *batch, aux_weight=cfg.aux_loss_weight, mesh=mesh)
 
 
 def steps_for_budget(cfg: TrainConfig, seconds: float, *, datasets=None, probe_steps: int = 30) -> int:

@@ -23,8 +23,8 @@ def tiny(router, **kw):
     return config.get_config("quick", dataset="digits", router=router, **{**fields, **kw})
 
 
-def loss_fn(model, images):
-    out = model(images)
+def loss_fn(model, images, mesh=None):
+    out = model(images, mesh=mesh)
     return jnp.mean(out.logits ** 2) + out.aux_loss, out.logits
 
 
@@ -38,16 +38,17 @@ def check_equal_to_single_device():
         sharded.eval()
         parallel.shard_model(sharded, mesh)
         w1 = sharded.blocks[1].mlp.experts.w1[...]
-        assert w1.sharding.spec == jax.sharding.PartitionSpec("expert"), w1.sharding
+        assert w1.sharding.spec == jax.sharding.PartitionSpec("expert", None, None), w1.sharding
         assert len({s.device for s in w1.addressable_shards}) == 8 and w1.addressable_shards[0].data.shape[0] == 2
-        step = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True))
+        assert parallel.model_mesh(sharded) == mesh and parallel.model_mesh(single) is None
+        step = nnx.jit(nnx.value_and_grad(loss_fn, has_aux=True), static_argnums=2)
         (loss_a, logits_a), grads_a = step(single, images)
-        (loss_b, logits_b), grads_b = step(sharded, jax.device_put(images, parallel.batch_sharding(mesh)))
+        (loss_b, logits_b), grads_b = step(sharded, jax.device_put(images, parallel.batch_sharding(mesh)), mesh)
         np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), atol=1e-5, rtol=1e-5)
         for ga, gb in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
             np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), atol=1e-5, rtol=1e-4)
         graphdef, state = nnx.split(sharded)
-        jaxpr = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x).logits)(state, images))
+        jaxpr = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, mesh=mesh).logits)(state, images))
         assert jaxpr.count("all_to_all") == 2 * len(sharded.cfg.moe_blocks()), router
         print(f"{router}: outputs and gradients equal on a 2x4 mesh")
 
@@ -75,6 +76,8 @@ def check_errors():
         (lambda: tiny("soft_moe", batch_size=12, mesh=(2, 4)), "batch_size=12 must be a multiple of 8"),
         (lambda: tiny("softmax_expert_choice", batch_size=24, mesh=(1, 3)), "multiple of the mesh's expert axis"),
         (lambda: parallel.expert_parallel_moe(jnp.ones((6, 4, 16)), None, None, mesh), "multiple of the number"),
+        (lambda: parallel.shard_model(train.make_model(tiny("softmax_expert_choice", model_num_experts=6)), mesh),
+         "multiple of the mesh's 'expert' axis (4)"),
     ]:
         try:
             call()
