@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mini_moe import __main__ as cli
@@ -65,6 +66,15 @@ def test_bench_sparsity_solver_reports_ratio_error_and_gap_to_pot(monkeypatch):
         pot = bench._pot_semi_dual_optimum(probs[0], router.allocation.budget(32, 4).capacity)["best"]
         assert row["router_objective_gap"][0] == pytest.approx(float(info.objective[0]) - pot, abs=1e-4)
         assert row["pot_objective"] == pytest.approx([pot, row["pot_objective"][1]], abs=1e-4)
+        # The error of the plan at POT's semi-dual optimum, recomputed with POT directly.
+        import ot
+
+        cap, scores = router.allocation.budget(32, 4).capacity, np.asarray(probs[0], np.float64)
+        a, b, regul = np.ones(32), np.full(4, 8.0), ot.smooth.SparsityConstrained(max_nz=cap, gamma=1.0)
+        alpha, _ = ot.smooth.solve_semi_dual(a, b, -scores, regul, tol=1e-10, max_iter=5000)
+        plan = ot.smooth.get_plan_from_semi_dual(alpha, b, -scores, regul)
+        assert np.all((plan > 0).sum(axis=0) <= cap) and np.allclose(plan.sum(axis=0), 8.0)
+        assert row["pot_mean_marginal_error"][0] == pytest.approx(np.abs(plan.sum(axis=1) - 1).mean(), abs=1e-4)
 
 
 def _run_cli(args, tmp_path):
