@@ -283,9 +283,9 @@ def sparsity_constrained_plan(
     ``S_r = {p >= 0, sum p = T/E, ||p||_0 <= C}``. The inner maximiser, column r of the
     plan, is the k-sparse simplex projection of ``scores[:, r] - f``; the gradient of F is
     ``1 - P 1_E``. F is piecewise quadratic and not smooth (a column's top C changes
-    discontinuously), so the solver takes subgradient steps ``f += (P 1_E - 1) * step_i`` with
-    ``step_i = spread(scores) / (2 E sqrt(1 + i))``, keeping the iterate with the smallest
-    mean token-marginal error. Three things make it fast (chapter 5 measures them):
+    discontinuously), so the solver takes subgradient steps with heavy-ball momentum,
+    ``f += (P 1_E - 1) * step_i + 0.7 (f - f_previous)`` with ``step_i = 0.3 spread(scores) /
+    (2 E sqrt(1 + i))``, keeping the iterate with the smallest mean token-marginal error. Three things make it fast (chapter 5 measures them):
 
     * it starts from ``f[t]`` just below token t's c-th largest score (1 % of the way to the
       (c+1)-th; c = round(C E / T), the number of experts a token gets on average), so every
@@ -359,6 +359,13 @@ def _bracketed_top_k_mask(x: Array, k: int, lo: Array, hi: Array) -> tuple[Array
     return mask, jnp.all(valid & (jnp.sum(mask, axis=-1) == k))
 
 
+# Subgradient steps with heavy-ball momentum, f += step_i * (P 1 - 1) + momentum * (f - f_previous). Chosen
+# on 8 groups of 392 and of 1024 tokens (E = 32, c = 1 and 2, softmax scores of a random router): after 30
+# iterations the mean marginal error fell from 0.070 / 0.078 / 0.032 / 0.065 (plain steps of 1.0 * spread
+# / (2 E sqrt(1 + i))) to 0.061 / 0.073 / 0.022 / 0.059, with F as close to POT's optimum as before.
+_STEP, _MOMENTUM = 0.3, 0.7
+
+
 @functools.partial(jax.jit, static_argnames=("max_nonzeros", "tol", "max_iters", "patience"))
 def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
     """Semi-dual solver of :func:`sparsity_constrained_plan` for groups ``scores [G, T, E]``.
@@ -414,7 +421,7 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
     zeros = jnp.zeros((num_groups,), jnp.int32)
     # The loop carries the best iterate's potential and top-C sets, not its plan (one pass less per
     # iteration); the plan is rebuilt from them once at the end.
-    state = dict(i=zeros, f=f, residual=residual, keep=keep, max_err=max_err, best_f=f, best_keep=keep,
+    state = dict(i=zeros, f=f, f_prev=f, residual=residual, keep=keep, max_err=max_err, best_f=f, best_keep=keep,
                  best_err=err, best_max=max_err, best_obj=obj, min_obj=obj, stall=zeros)
 
     def active(s):
@@ -422,8 +429,9 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
 
     def body(s):
         run = active(s)
-        step = jnp.where(run, step_scale / jnp.sqrt(1.0 + s["i"]), 0.0)
-        f = s["f"] + s["residual"] * step[:, None]
+        step = jnp.where(run, _STEP * step_scale / jnp.sqrt(1.0 + s["i"]), 0.0)
+        momentum = jnp.where(run, _MOMENTUM, 0.0)[:, None] * (s["f"] - s["f_prev"])  # heavy ball
+        f = s["f"] + s["residual"] * step[:, None] + momentum
         shifted = scores_t - f[:, None, :]
         keep = top_k(shifted, s["keep"])
         plan_t, residual, obj = evaluate(f, shifted, keep)
@@ -435,7 +443,7 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
             return jnp.where(where.reshape(where.shape + (1,) * (new.ndim - 1)), new, old)
 
         return dict(
-            i=s["i"] + run, f=pick(f, s["f"]), residual=pick(residual, s["residual"]), keep=pick(keep, s["keep"]),
+            i=s["i"] + run, f=pick(f, s["f"]), f_prev=pick(s["f"], s["f_prev"]), residual=pick(residual, s["residual"]), keep=pick(keep, s["keep"]),
             max_err=pick(max_err, s["max_err"]), best_f=pick(f, s["best_f"], better),
             best_keep=pick(keep, s["best_keep"], better),
             best_err=pick(err, s["best_err"], better), best_max=pick(max_err, s["best_max"], better),
