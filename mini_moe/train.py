@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 import shutil
 import time
@@ -93,6 +92,8 @@ def load_data(cfg: TrainConfig):
     test_images, _, _ = data_lib.normalize(test.images, mean, std)
     return dataclasses.replace(train, images=train_images), dataclasses.replace(test, images=test_images)
 
+
+LOG_EVERY = 50  # steps between training-log rows (and the host's checks of the losses)
 
 # --------------------------------------------------------------------- steps
 
@@ -324,38 +325,63 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         history_path.write_text(json.dumps(history, indent=1))
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"{cfg.model.router or 'dense'}")
-    for step in range(start, cfg.steps):
-        if cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds:
-            break  # a resumed run whose time budget was already spent
-        tick = time.perf_counter()
-        stats = _step(model, optimizer, batch_at(train_ds, cfg, step), cfg, mesh)
-        loss = float(stats["loss"])  # waits for the step: the time below is the step's
-        history["seconds"] += time.perf_counter() - tick  # training time (no eval, no I/O)
-        if not math.isfinite(loss) or not math.isfinite(float(stats["aux_loss"])):
+    # The loop does not wait for the device after each step: steps are dispatched asynchronously
+    # (JAX queues them), and the host builds the next batch while the device computes. It waits
+    # only where it must read results: every LOG_EVERY steps, before an evaluation or a checkpoint,
+    # and when the time budget may be spent. There the losses of all steps since the last wait are
+    # checked in one transfer, so a non-finite loss stops training before any checkpoint of a bad
+    # state is written: the last checkpoint on disk is always a good one.
+    pending = []  # (step, stats) dispatched but not yet checked
+    tick = time.perf_counter()
+
+    def wait_and_check():
+        jax.block_until_ready(pending[-1][1]["loss"])
+        history["seconds"] += time.perf_counter() - tick  # training time only (no eval, no I/O)
+        losses = np.asarray(jnp.stack([jnp.stack([s["loss"], s["aux_loss"]]) for _, s in pending]))
+        bad = np.flatnonzero(~np.isfinite(losses).all(axis=1))
+        if bad.size:
+            step, (loss, aux) = pending[bad[0]][0], losses[bad[0]]
             last = manager.latest_step()
             write_history()
             bar.close()
             raise ValueError(
-                f"loss is not finite at step {step} (loss={loss}, aux_loss={float(stats['aux_loss'])}); "
-                f"training stopped. The last good checkpoint is step {last} in {out_dir / 'checkpoints'}. "
-                "Lower learning_rate or raise grad clipping, then resume."
+                f"loss is not finite at step {step} (loss={loss}, aux_loss={aux}); training stopped. The last "
+                f"good checkpoint is step {last} in {out_dir / 'checkpoints'}. Lower learning_rate or raise grad "
+                "clipping, then resume."
             )
+        pending.clear()
+
+    for step in range(start, cfg.steps):
+        if cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds:
+            break  # a resumed run whose time budget was already spent
+        stats = _step(model, optimizer, batch_at(train_ds, cfg, step), cfg, mesh)
+        pending.append((step, stats))
         done = step + 1
-        if done % 50 == 0 or done == cfg.steps:
-            row = {"step": done, "seconds": round(history["seconds"], 2)}
-            row.update({k: float(v) for k, v in stats.items() if k != "router"})
-            row.update({f"router/{k}": float(v) for k, v in stats["router"].items()})
-            history["train"].append(row)
-            bar.set_postfix(loss=f"{loss:.3f}", acc=f"{float(stats['accuracy']):.3f}")
-        out_of_time = cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds
-        if done % cfg.eval_every == 0 or done == cfg.steps or out_of_time:
-            acc = evaluate.accuracy(model, test_ds, batch_size=cfg.eval_batch_size)
-            history["eval"].append({"step": done, "seconds": round(history["seconds"], 2), "test_accuracy": acc})
-            if progress:
-                bar.write(f"step {done}: test accuracy {acc:.4f}")
-        if done % cfg.checkpoint_every == 0 or done == cfg.steps or out_of_time:
-            save_checkpoint(manager, done, model, optimizer)
-            write_history()
+        log = done % LOG_EVERY == 0 or done == cfg.steps
+        evaluate_now = done % cfg.eval_every == 0 or done == cfg.steps
+        checkpoint_now = done % cfg.checkpoint_every == 0 or done == cfg.steps
+        maybe_out_of_time = (cfg.max_seconds is not None
+                             and history["seconds"] + time.perf_counter() - tick >= cfg.max_seconds)
+        out_of_time = False
+        if log or evaluate_now or checkpoint_now or maybe_out_of_time:
+            wait_and_check()
+            out_of_time = cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds
+            if log:
+                row = {"step": done, "seconds": round(history["seconds"], 2)}
+                row.update({k: float(v) for k, v in stats.items() if k != "router"})
+                row.update({f"router/{k}": float(v) for k, v in stats["router"].items()})
+                history["train"].append(row)
+                bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}")
+            if evaluate_now or out_of_time:
+                acc = evaluate.accuracy(model, test_ds, batch_size=cfg.eval_batch_size)
+                history["eval"].append({"step": done, "seconds": round(history["seconds"], 2),
+                                        "test_accuracy": acc})
+                if progress:
+                    bar.write(f"step {done}: test accuracy {acc:.4f}")
+            if checkpoint_now or out_of_time:
+                save_checkpoint(manager, done, model, optimizer)
+                write_history()
+            tick = time.perf_counter()
         bar.update(1)
         if out_of_time:
             break
