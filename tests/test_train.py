@@ -566,3 +566,22 @@ def test_a_router_registered_outside_the_package_trains_studies_and_benchmarks(u
     assert results["cells"][0]["mechanisms"]["layers"][0]["unprocessed"] is not None
     # bench: its MoE layer is timed like the others
     assert bench.moe_layer_ms(user_router, "quick", repeats=1) > 0
+
+
+@pytest.mark.parametrize("router", [None] + sorted(config_lib.routers_lib.ROUTERS))
+def test_full_configuration_builds_and_takes_two_training_steps(router):
+    """The configuration readers run on a GPU/TPU (CIFAR-10, ``full``: D=192, depth 8, 16 experts)
+    cannot rot on a CPU-only CI: each router's model is built and takes two AdamW steps on a small
+    batch (one routing group); the loss stays finite and every trained parameter moves."""
+    cfg = config_lib.get_config("full", dataset="cifar10", router=router, steps=2, batch_size=8)
+    assert (cfg.model.dim, cfg.model.depth, cfg.model.num_experts) == (192, 8, 16)
+    model = train.make_model(cfg)
+    optimizer = train.make_optimizer(model, cfg)
+    before = jax.tree.leaves(nnx.state(model, nnx.Param))
+    images = jax.random.normal(jax.random.key(0), (8, 32, 32, 3))
+    labels = jnp.arange(8) % 10
+    for _ in range(2):
+        stats = train.train_step(model, optimizer, images, labels, aux_weight=cfg.aux_loss_weight)
+        assert np.isfinite(float(stats["loss"])) and np.isfinite(float(stats["aux_loss"]))
+    after = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(not np.array_equal(a, b) for a, b in zip(before, after))
