@@ -2,7 +2,8 @@
 
 One switch picks the scale (DESIGN §5): :func:`default_scale` returns ``"quick"`` on a
 CPU and ``"full"`` on an accelerator; the environment variable ``MINI_MOE_SCALE``
-overrides it. Every field can be overridden by keyword (``get_config(..., steps=50)``,
+overrides it. The full configuration computes in bfloat16 on a GPU or TPU
+(:func:`default_dtype`). Every field can be overridden by keyword (``get_config(..., steps=50)``,
 ``model_dim=...`` style keys prefixed with ``model_`` go to :class:`~mini_moe.model.ModelConfig`).
 """
 
@@ -98,6 +99,14 @@ def default_scale() -> str:
     return scale
 
 
+def default_dtype(scale: str) -> str:
+    """The compute dtype a configuration gets unless ``model_dtype`` overrides it: ``"bfloat16"``
+    for the full configuration on a GPU or TPU (parameters, routers and losses stay float32;
+    see :class:`~mini_moe.model.VisionMoE`), ``"float32"`` otherwise (CPUs gain nothing from
+    bfloat16 matmuls)."""
+    return "bfloat16" if scale == "full" and jax.default_backend() != "cpu" else "float32"
+
+
 def get_config(scale: str | None = None, *, dataset: str = "digits", router: str | None = "soft_moe",
                **overrides) -> TrainConfig:
     """Build a :class:`TrainConfig`.
@@ -119,6 +128,7 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
         image_size=shape["image_size"], channels=shape["channels"], num_classes=shape["num_classes"],
         patch_size=shape["patch"][scale], router=router,
         placement="every2" if router is None else routers_lib.spec(router).placement,
+        dtype=default_dtype(scale),
         **{**_MODEL_SCALE[scale], **shape.get("model", {}).get(scale, {})},
     )
     train_fields = dict(_TRAIN_SCALE[scale], dataset=dataset)

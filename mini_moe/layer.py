@@ -136,7 +136,8 @@ class MlpExperts(nnx.Module):
 
     Weights are stacked along a leading expert axis (``w1: [E, D, H]``, ``w2: [E, H,
     D_out]``), so all experts run as one batched matmul and the expert axis is the one
-    to shard across devices.
+    to shard across devices. They are stored in float32 and the experts compute in their
+    input's dtype (bfloat16 inputs: bfloat16 matmuls, mixed precision).
     """
 
     def __init__(self, num_experts: int, dim: int, hidden: int, out_dim: int | None = None, *, rngs: nnx.Rngs):
@@ -157,12 +158,17 @@ class MlpExperts(nnx.Module):
         ``group_sizes[0]`` rows go through expert 0, the next ``group_sizes[1]`` through expert 1,
         and so on (``expert [M]`` names each row's expert, for the biases). Two grouped matmuls
         (``jax.lax.ragged_dot``); returns ``[M, D_out]``."""
-        h = jax.lax.ragged_dot(rows, self.w1[...], group_sizes) + self.b1[...][expert, 0]
-        h = jax.nn.gelu(h)
-        return jax.lax.ragged_dot(h, self.w2[...], group_sizes) + self.b2[...][expert, 0]
+        w1, b1, w2, b2 = self._weights(rows.dtype)
+        h = jax.nn.gelu(jax.lax.ragged_dot(rows, w1, group_sizes) + b1[expert, 0])
+        return jax.lax.ragged_dot(h, w2, group_sizes) + b2[expert, 0]
+
+    def _weights(self, dtype):
+        """The parameters cast to the compute dtype (they are stored in float32)."""
+        return tuple(p[...].astype(dtype) for p in (self.w1, self.b1, self.w2, self.b2))
 
     def __call__(self, x: Array) -> Array:
         if x.ndim != 3 or x.shape[0] != self.w1.shape[0] or x.shape[-1] != self.w1.shape[1]:
             raise ValueError(f"experts expect inputs [E={self.w1.shape[0]}, N, D={self.w1.shape[1]}], got {x.shape}.")
-        h = jax.nn.gelu(jnp.einsum("end,edh->enh", x, self.w1[...]) + self.b1[...])
-        return jnp.einsum("enh,ehd->end", h, self.w2[...]) + self.b2[...]
+        w1, b1, w2, b2 = self._weights(x.dtype)
+        h = jax.nn.gelu(jnp.einsum("end,edh->enh", x, w1) + b1)
+        return jnp.einsum("enh,ehd->end", h, w2) + b2

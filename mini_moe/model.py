@@ -28,6 +28,7 @@ from mini_moe.layer import MlpExperts, moe
 from mini_moe.validate import check_int
 
 Array = Any
+DTYPES = ("float32", "bfloat16")  # compute dtypes of ModelConfig.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ModelConfig:
     group_images: int = 8  # images per routing group (sparse routers)
     router_kwargs: tuple = ()  # (("k", 2), ...): hashable, so configs can key caches
     moe_path: str = "auto"  # layer path: "auto", "einsum" or "gather"
+    dtype: str = "float32"  # compute dtype, "float32" or "bfloat16" (parameters stay float32; see VisionMoE)
 
     def __post_init__(self):
         for name in ("image_size", "channels", "patch_size", "num_classes", "dim", "depth", "heads",
@@ -65,6 +67,8 @@ class ModelConfig:
                 f"{', '.join(sorted(routers_lib.ROUTERS))}."
             )
         self.moe_blocks()  # validates placement
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES} (the compute dtype), got {self.dtype!r}.")
 
     @property
     def num_patches(self) -> int:
@@ -146,7 +150,10 @@ class MoeMlp(nnx.Module):
                 "(pad the batch, or change group_images)."
             )
         groups = x.reshape(b // per_group, per_group * n, d)
-        out = self.router(groups)
+        # The router runs in float32 whatever the compute dtype (logits, softmax, transport plans
+        # and auxiliary losses); its dispatch and combine tensors are cast to the tokens' dtype
+        # where eq. (2) uses them, and the experts compute in that dtype.
+        out = self.router(groups.astype(jnp.float32))
         if mesh is not None:
             y = parallel.expert_parallel_moe(groups, out.routing, self.experts, mesh)
         else:
@@ -155,9 +162,11 @@ class MoeMlp(nnx.Module):
 
 
 class DenseMlp(nnx.Module):
-    def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs):
-        self.fc1 = nnx.Linear(dim, hidden, rngs=rngs)
-        self.fc2 = nnx.Linear(hidden, dim, rngs=rngs)
+    """Two-layer GELU MLP ``[..., D] -> [..., D]`` computing in ``dtype`` (parameters float32)."""
+
+    def __init__(self, dim: int, hidden: int, *, dtype=None, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(dim, hidden, dtype=dtype, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, dim, dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
         return self.fc2(jax.nn.gelu(self.fc1(x)))
@@ -167,10 +176,12 @@ class Block(nnx.Module):
     """Pre-norm Transformer block; the MLP is dense or an :class:`MoeMlp`."""
 
     def __init__(self, cfg: ModelConfig, use_moe: bool, *, rngs: nnx.Rngs):
-        self.norm1 = nnx.LayerNorm(cfg.dim, rngs=rngs)
-        self.attn = nnx.MultiHeadAttention(cfg.heads, cfg.dim, decode=False, deterministic=True, rngs=rngs)
-        self.norm2 = nnx.LayerNorm(cfg.dim, rngs=rngs)
-        self.mlp = MoeMlp(cfg, rngs=rngs) if use_moe else DenseMlp(cfg.dim, cfg.mlp_dim, rngs=rngs)
+        dtype = jnp.dtype(cfg.dtype)
+        self.norm1 = nnx.LayerNorm(cfg.dim, dtype=dtype, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(cfg.heads, cfg.dim, decode=False, deterministic=True, dtype=dtype,
+                                           rngs=rngs)
+        self.norm2 = nnx.LayerNorm(cfg.dim, dtype=dtype, rngs=rngs)
+        self.mlp = MoeMlp(cfg, rngs=rngs) if use_moe else DenseMlp(cfg.dim, cfg.mlp_dim, dtype=dtype, rngs=rngs)
         self.use_moe = use_moe
 
     def __call__(self, x, mesh=None):
@@ -182,12 +193,19 @@ class Block(nnx.Module):
 
 
 class VisionMoE(nnx.Module):
-    """ViT / V-MoE classifier. ``model(images [B, H, W, C]) -> ModelOutput``."""
+    """ViT / V-MoE classifier. ``model(images [B, H, W, C]) -> ModelOutput``.
+
+    Mixed precision (``cfg.dtype = "bfloat16"``): parameters are float32; the patch embedding,
+    attention, layer norms, dense MLPs, experts and the residual stream compute in bfloat16
+    (dispatch and combine are cast to it in eq. 2); the routers (logits, softmax, transport
+    plans, auxiliary losses), the final layer norm, the pooled features and the classifier head
+    compute in float32, so logits and losses are float32.
+    """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         patch_dim = cfg.patch_size**2 * cfg.channels
-        self.embed = nnx.Linear(patch_dim, cfg.dim, rngs=rngs)
+        self.embed = nnx.Linear(patch_dim, cfg.dim, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, cfg.num_patches, cfg.dim)))
         moe_blocks = cfg.moe_blocks()
         self.blocks = nnx.List([Block(cfg, i in moe_blocks, rngs=rngs) for i in range(cfg.depth)])
@@ -206,7 +224,8 @@ class VisionMoE(nnx.Module):
             raise ValueError(
                 f"images must have shape [B, {cfg.image_size}, {cfg.image_size}, {cfg.channels}], got {shape}."
             )
-        x = self.embed(patchify(images, cfg.patch_size)) + self.pos[...]
+        dtype = jnp.dtype(cfg.dtype)
+        x = self.embed(patchify(images, cfg.patch_size).astype(dtype)) + self.pos[...].astype(dtype)
         aux, metrics, probs, routings = jnp.zeros(()), [], [], []
         for block in self.blocks:
             x, out = block(x, mesh)
@@ -216,5 +235,5 @@ class VisionMoE(nnx.Module):
                 probs.append(out.probs)
                 if return_routing:
                     routings.append(out.routing)
-        features = jnp.mean(self.norm(x), axis=1)
+        features = jnp.mean(self.norm(x.astype(jnp.float32)), axis=1)
         return ModelOutput(self.head(features), aux, tuple(metrics), features, tuple(probs), tuple(routings))

@@ -294,7 +294,8 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     history_path = out_dir / "history.json"
     if resume and config_path.exists():
         saved = json.loads(config_path.read_text())
-        if saved != json.loads(json.dumps(config_to_json(cfg))):
+        # Through config_from_json: a field added since the run was saved takes its default.
+        if json.loads(json.dumps(config_to_json(config_from_json(saved)))) != json.loads(json.dumps(config_to_json(cfg))):
             raise ValueError(
                 f"{out_dir} holds a run with a different configuration; use another out_dir or resume=False."
             )

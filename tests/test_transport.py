@@ -669,6 +669,31 @@ def test_sparsity_constrained_plan_reaches_pot_optimum(seed, factor):
     assert np.all(np.count_nonzero(np.asarray(plan), axis=0) <= cap)
 
 
+@pytest.mark.parametrize("factor", [1, 2])
+def test_router_solver_settings_reach_pot_at_a_b32_group(factor):
+    """The router's own settings (30 iterations, tol 1e-3) on one B/32-like group (8 images x 49
+    tokens, E = 32, scores = softmax of a freshly initialised router on Gaussian tokens): F within
+    a relative 1e-3 of POT's optimum and a mean token-marginal error below 0.07 (issue 14's
+    targets; the benchmark measures the same on 8 groups at D = 768)."""
+    from flax import nnx
+
+    from mini_moe import bench, routers
+
+    num_tokens, num_experts, dim = 392, 32, 64
+    router = routers.make_router("sparsity_constrained_expert_choice", dim, num_experts, capacity_factor=factor,
+                                 rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.PRNGKey(3), (num_tokens, dim))
+    scores = np.asarray(jax.nn.softmax(router.logits(x), axis=-1))
+    cap = router.allocation.budget(num_tokens, num_experts).capacity
+    pot = bench._pot_semi_dual_optimum(scores, cap)
+    plan, info = _sparse(scores, max_nonzeros=cap, tol=router.affinity.tol, max_iters=router.affinity.max_iters)
+    assert int(info.iterations) <= 30
+    assert float(info.objective) <= pot["best"] + 1e-3 * abs(pot["best"])
+    assert float(info.mean_marginal_error) < 0.07
+    np.testing.assert_allclose(np.asarray(plan).sum(0), num_tokens / num_experts, atol=1e-3)
+    assert np.all(np.count_nonzero(np.asarray(plan), axis=0) <= cap)
+
+
 @SETTINGS
 @given(data=st.data(), k=st.integers(1, 6), width=_scalars(1e-3, 1.0))
 def test_bracketed_top_k_mask_equals_exact(data, k, width):
