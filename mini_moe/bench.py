@@ -5,7 +5,10 @@
 * ``layer`` — every router's MoE layer (router + experts + eq. 2), forward + backward,
   against a dense MLP with the same activated FLOPs (hidden H on every token; the MoE
   layer runs k = c = 1, i.e. about one expert of hidden H per token), at the quick
-  model's shapes and at a B/32-like layer (8 images x 49 tokens, D=768, H=3072, E=32).
+  model's shapes, at a B/32-like layer (8 images x 49 tokens, D=768, H=3072, E=32: about
+  12 tokens per expert, so it measures weight traffic) and at a B/16-like group (16 images x
+  196 tokens, E=8: 392 tokens per expert, so it measures routing). Each row also gives the
+  achieved rate of useful FLOPs and its fraction of the machine's measured matmul peak.
   ``experts_only`` times the E experts on their E*C slots without any routing, so
   ``ratio_to_experts_only`` isolates what the router and dispatch/combine cost.
 * ``soft_moe_experts`` — Soft MoE forward + backward as E goes from 8 to 256 with the
@@ -40,7 +43,8 @@ from mini_moe.model import DenseMlp
 LAYER_SHAPES = {
     # name: (images per group, tokens per image, groups, D, H, E)
     "quick": (8, 49, 16, 64, 128, 8),
-    "b32": (8, 49, 1, 768, 3072, 32),
+    "b32": (8, 49, 1, 768, 3072, 32),  # about 12 tokens per expert: measures weight traffic
+    "b16": (16, 196, 1, 768, 3072, 8),  # 16 images of 196 tokens (B/16 at 224 px): 392 tokens per expert
 }
 
 
@@ -79,6 +83,21 @@ def time_fn(fn, *args, repeats: int = 20) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
+
+
+def matmul_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
+    """The machine's measured float32 matmul rate (GFLOP/s): one ``[n, n] @ [n, n]`` product,
+    ``2 n^3`` FLOPs, median of ``repeats`` timed calls. The yardstick for achieved FLOP/s."""
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n))
+    ms = time_fn(jax.jit(jnp.dot), a, a, repeats=repeats)
+    return 2 * n**3 / (ms * 1e-3) / 1e9
+
+
+def mlp_flops(tokens: int, dim: int, hidden: int) -> int:
+    """FLOPs of a two-layer MLP's forward + backward on ``tokens`` rows: two matmuls of
+    ``2 tokens dim hidden`` forward, twice that backward (input and weight gradients). An MoE
+    layer with one expert of hidden H per token (k = c = 1) does the same useful work."""
+    return 3 * 2 * 2 * tokens * dim * hidden
 
 
 def _fwd_bwd(module_fn):
@@ -164,24 +183,38 @@ def dense_mlp_ms(shape: str = "quick", *, repeats: int = 20) -> float:
 
 
 def layer_benchmarks(repeats: int) -> list[dict]:
-    results = []
+    """Every router's MoE layer against the dense MLP of equal activated FLOPs at each of
+    :data:`LAYER_SHAPES`, with the achieved rate of useful FLOPs (:func:`mlp_flops`) and its
+    fraction of the measured matmul peak (:func:`matmul_peak_gflops`, first row)."""
+    peak = matmul_peak_gflops()
+    results = [{"shape": "-", "router": "matmul_peak", "gflops_per_s": round(peak, 2)}]
+    print(f"  matmul peak {peak:.1f} GFLOP/s (float32, 2048^3)", flush=True)
+
+    def rate(row, flops):
+        row["gflops_per_s"] = round(flops / (row["ms"] * 1e-3) / 1e9, 2)
+        row["fraction_of_peak"] = round(row["gflops_per_s"] / peak, 3)
+        return row
+
     for shape_name, (per_group, tokens, groups, dim, hidden, experts) in LAYER_SHAPES.items():
         rng = nnx.Rngs(0)
+        flops = mlp_flops(groups * per_group * tokens, dim, hidden)
         dense_ms = dense_mlp_ms(shape_name, repeats=repeats)
-        results.append({"shape": shape_name, "router": "dense_mlp", "ms": round(dense_ms, 3), "ratio": 1.0})
+        results.append(rate({"shape": shape_name, "router": "dense_mlp", "ms": round(dense_ms, 3), "ratio": 1.0},
+                            flops))
         # The experts alone on their E * C slots: the part no router can avoid. On a CPU the
         # E-fold larger expert weights (memory traffic) can make this alone exceed the dense MLP.
         cap = max(1, round(per_group * tokens / experts))
         slots = jnp.ones((experts, groups * cap, dim))
         experts_ms = time_fn(_fwd_bwd(lambda m, x: m(x)), layer_lib.MlpExperts(experts, dim, hidden, rngs=rng),
                              slots, repeats=repeats)
-        results.append({"shape": shape_name, "router": "experts_only", "ms": round(experts_ms, 3),
-                        "ratio": round(experts_ms / dense_ms, 3)})
+        results.append(rate({"shape": shape_name, "router": "experts_only", "ms": round(experts_ms, 3),
+                             "ratio": round(experts_ms / dense_ms, 3)}, flops))
         print(f"  layer {shape_name:5s} {'experts_only':36s} {experts_ms:9.2f} ms  x{experts_ms / dense_ms:.2f}", flush=True)
         for name in sorted(routers_lib.ROUTERS):
             ms = moe_layer_ms(name, shape_name, repeats=repeats)
-            results.append({"shape": shape_name, "router": name, "ms": round(ms, 3), "ratio": round(ms / dense_ms, 3),
-                            "ratio_to_experts_only": round(ms / experts_ms, 3)})
+            results.append(rate({"shape": shape_name, "router": name, "ms": round(ms, 3),
+                                 "ratio": round(ms / dense_ms, 3), "ratio_to_experts_only": round(ms / experts_ms, 3)},
+                                flops))
             print(f"  layer {shape_name:5s} {name:36s} {ms:9.2f} ms  x{ms / dense_ms:.2f}", flush=True)
     return results
 
@@ -321,8 +354,12 @@ def summary(results: dict) -> str:
         lines.append(f"router {r['shape']:5s} {r['router']:36s} {r['forward_ms']:9.2f} ms fwd "
                      f"{r['forward_backward_ms']:9.2f} ms fwd+bwd")
     for r in results.get("layer", []):
+        if "ms" not in r:  # the matmul peak
+            lines.append(f"layer matmul peak {r['gflops_per_s']:.1f} GFLOP/s")
+            continue
         extra = f"  x{r['ratio_to_experts_only']:.2f} experts-only" if "ratio_to_experts_only" in r else ""
-        lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense{extra}")
+        lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense{extra}"
+                     f"  {r.get('gflops_per_s', 0):7.1f} GFLOP/s")
     for r in results.get("soft_moe_experts", []):
         lines.append(f"soft_moe E={r['experts']:4d} {r['ms']:9.2f} ms  x{r['ratio_to_E8']:.2f} of E=8")
     for r in results.get("sparsity_solver", []):

@@ -66,9 +66,7 @@ def moe(x: Array, routing: Routing, experts: Callable[[Array], Array], *, path: 
         slots = jnp.einsum("...tec,...td->...ecd", routing.dispatch.astype(x.dtype), x)
     else:
         token, weight = routing.slots()  # [..., E, C]; token T marks an empty slot
-        flat_token = token.reshape(lead + (num_experts * cap, 1))
-        slots = jnp.take_along_axis(x, flat_token, axis=-2, mode="fill", fill_value=0)
-        slots = slots.reshape(lead + (num_experts, cap, -1))
+        slots = gather_slots(x, token)
 
     # [..., E, C, D] -> [E, N, D]: every expert sees its slots of every group at once.
     expert_in = jnp.moveaxis(slots, -3, 0).reshape(num_experts, -1, slots.shape[-1])
@@ -77,8 +75,24 @@ def moe(x: Array, routing: Routing, experts: Callable[[Array], Array], *, path: 
 
     if path == "einsum":
         return jnp.einsum("...tec,...ecd->...td", routing.combine.astype(out.dtype), out)
-    contrib = (weight[..., None].astype(out.dtype) * out).reshape(lead + (num_experts * cap, -1))
-    result = jnp.zeros(lead + (x_shape[-2], out.shape[-1]), out.dtype)
+    return scatter_slots(out, token, weight, x_shape[-2])
+
+
+def gather_slots(x: Array, token: Array) -> Array:
+    """The expert inputs of a sparse routing: ``x [..., T, D]`` gathered at ``token [..., E, C]``
+    (the token in each slot, T for an empty slot, which gets zeros) -> ``[..., E, C, D]``."""
+    lead, (num_experts, cap) = token.shape[:-2], token.shape[-2:]
+    flat = jnp.take_along_axis(x, token.reshape(lead + (num_experts * cap, 1)), axis=-2, mode="fill", fill_value=0)
+    return flat.reshape(lead + (num_experts, cap, x.shape[-1]))
+
+
+def scatter_slots(out: Array, token: Array, weight: Array, num_tokens: int) -> Array:
+    """The combine step of a sparse routing: every slot's output ``out [..., E, C, D]`` times its
+    weight ``[..., E, C]``, added to the row of its token ``[..., E, C]`` -> ``[..., T, D]``
+    (empty slots, token T, add nothing)."""
+    lead = token.shape[:-2]
+    contrib = (weight[..., None].astype(out.dtype) * out).reshape(lead + (-1, out.shape[-1]))
+    result = jnp.zeros(lead + (num_tokens, out.shape[-1]), out.dtype)
     return _scatter_add_rows(result, token.reshape(lead + (-1,)), contrib)
 
 

@@ -6,17 +6,20 @@ experts) and ``E / n_expert`` of the experts of each MoE layer (replicated along
 ``"data"``). Inside an MoE layer, on each device (:func:`expert_parallel_moe`):
 
 1. dispatch (eq. 2): the device's groups fill the slots of *all* E experts,
-   ``[E, G_local, C, D]``;
+   ``[E, G_local, C, D]`` -- for sparse routers by gathering each slot's token row
+   (:func:`mini_moe.layer.gather_slots`, O(E C D)), for Soft MoE by the dispatch einsum;
 2. ``all_to_all`` over ``"expert"``: slot block ``j`` (the experts of device ``j``) goes to
    device ``j``, which now holds its own experts' slots from every device of its data
    row, ``[E / n_expert, n_expert * G_local, C, D]``;
 3. the local experts run on those slots;
 4. the reverse ``all_to_all`` returns each block of outputs to the device its tokens
    came from, ``[E, G_local, C, D]``;
-5. combine (eq. 2) on the device.
+5. combine (eq. 2) on the device: sparse routers scatter-add each slot's weighted output to
+   its token (:func:`mini_moe.layer.scatter_slots`), Soft MoE uses the combine einsum.
 
-Steps 2 and 4 are the only communication; each moves ``E * C * D`` numbers per group.
-Sparse routers and Soft MoE share the code: only their dispatch/combine tensors differ.
+Steps 2 and 4 are the only communication; each moves ``E * C * D`` numbers per group. Sparse
+routings never build a ``[G, T, E, C]`` tensor on this path (their compact slot form travels
+into ``shard_map`` instead), so its cost does not grow with T * E * C.
 
 Usage: ``mesh = make_mesh(data=2, expert=4)``, ``shard_model(model, mesh)`` (places the
 parameters as their sharding annotations say), then call ``model(images, mesh=mesh)`` on
@@ -36,7 +39,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mini_moe.layer import EXPERT_AXIS
+from mini_moe.layer import EXPERT_AXIS, gather_slots, scatter_slots
 from mini_moe.routing import Routing
 from mini_moe.validate import check_int
 
@@ -84,18 +87,24 @@ def expert_parallel_moe(x: Array, routing: Routing, experts: nnx.Module, mesh: M
         )
     graphdef, state = nnx.split(experts)
 
-    def local(x, dispatch, combine, state):
-        slots = jnp.einsum("gtec,gtd->egcd", dispatch.astype(x.dtype), x)               # [E, G_loc, C, D]
+    def run_experts(slots, state):  # [E, G_loc, C, D] -> [E, G_loc, C, D_out], experts on their devices
         slots = jax.lax.all_to_all(slots, EXPERT_AXIS, split_axis=0, concat_axis=1, tiled=True)
         e_local, g, c, d = slots.shape                                                   # [E/n, n*G_loc, C, D]
         out = nnx.merge(graphdef, state)(slots.reshape(e_local, g * c, d)).reshape(e_local, g, c, -1)
-        out = jax.lax.all_to_all(out, EXPERT_AXIS, split_axis=1, concat_axis=0, tiled=True)  # [E, G_loc, C, D]
-        return jnp.einsum("gtec,egcd->gtd", combine.astype(out.dtype), out)
+        return jax.lax.all_to_all(out, EXPERT_AXIS, split_axis=1, concat_axis=0, tiled=True)  # [E, G_loc, C, D]
+
+    def dense(x, dispatch, combine, state):  # Soft MoE: every slot mixes every token
+        slots = jnp.einsum("gtec,gtd->egcd", dispatch.astype(x.dtype), x)
+        return jnp.einsum("gtec,egcd->gtd", combine.astype(x.dtype), run_experts(slots, state))
+
+    def sparse(x, token, weight, state):  # one token per slot: gather and scatter-add, O(E C D)
+        out = run_experts(jnp.moveaxis(gather_slots(x, token), -3, 0), state)
+        return scatter_slots(jnp.moveaxis(out, 0, -3), token, weight, x.shape[-2])
 
     # The experts' parameters enter split as their sharding annotations say (expert axis first).
     in_specs = (BATCH, BATCH, BATCH, nnx.get_partition_spec(state))
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=BATCH)(
-        x, routing.dispatch, routing.combine, state)
+    local, tensors = (sparse, routing.slots()) if routing.sparse else (dense, (routing.dispatch, routing.combine))
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=BATCH)(x, *tensors, state)
 
 
 def state_shardings(tree, mesh: Mesh):

@@ -32,10 +32,12 @@ def check_equal_to_single_device():
     assert len(jax.devices()) == 8, jax.devices()
     mesh = parallel.make_mesh(2, 4)
     images = jax.random.normal(jax.random.key(0), (32, 8, 8, 1))
-    for router in ROUTERS:
+    # (router, training mode): softmax_token_choice trains with noisy logits (V-MoE), so the noise
+    # drawn on the sharded model must equal the single-device model's.
+    for router, training in [(r, False) for r in ROUTERS] + [("softmax_token_choice", True)]:
         single, sharded = train.make_model(tiny(router)), train.make_model(tiny(router))
-        single.eval()
-        sharded.eval()
+        for m in (single, sharded):
+            m.train() if training else m.eval()
         parallel.shard_model(sharded, mesh)
         w1 = sharded.blocks[1].mlp.experts.w1[...]
         assert w1.sharding.spec == jax.sharding.PartitionSpec("expert", None, None), w1.sharding
@@ -45,12 +47,47 @@ def check_equal_to_single_device():
         (loss_a, logits_a), grads_a = step(single, images)
         (loss_b, logits_b), grads_b = step(sharded, jax.device_put(images, parallel.batch_sharding(mesh)), mesh)
         np.testing.assert_allclose(np.asarray(logits_a), np.asarray(logits_b), atol=1e-5, rtol=1e-5)
+        if training:  # the noise is really drawn in training mode: without it the features differ
+            noisy, quiet = train.make_model(tiny(router)), train.make_model(tiny(router))
+            noisy.train()
+            quiet.eval()
+            assert not np.allclose(np.asarray(noisy(images).features), np.asarray(quiet(images).features), atol=1e-4)
         for ga, gb in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
             np.testing.assert_allclose(np.asarray(ga), np.asarray(gb), atol=1e-5, rtol=1e-4)
         graphdef, state = nnx.split(sharded)
         jaxpr = str(jax.make_jaxpr(lambda s, x: nnx.merge(graphdef, s)(x, mesh=mesh).logits)(state, images))
         assert jaxpr.count("all_to_all") == 2 * len(sharded.cfg.moe_blocks()), router
-        print(f"{router}: outputs and gradients equal on a 2x4 mesh")
+        print(f"{router}{' (training, noisy)' if training else ''}: outputs and gradients equal on a 2x4 mesh")
+
+
+def check_sparse_path_never_reads_dense_tensors():
+    """Sparse routings go through shard_map in their compact slot form: with NaN dispatch and
+    combine tensors the expert-parallel layer still equals the single-device gather path, for a
+    Token Choice routing with drops and empty slots, and its gradient w.r.t. the tokens too."""
+    from mini_moe import layer, routing
+
+    mesh = parallel.make_mesh(2, 4)
+    x = jax.random.normal(jax.random.key(1), (8, 12, 16))  # 8 groups of 12 tokens
+    scores = jax.nn.softmax(jax.random.normal(jax.random.key(2), (8, 12, 8)), axis=-1)
+    real = routing.token_choice(scores, k=2, capacity=2)  # C = 2 < kT/E = 3: drops
+    assert bool(jnp.any(real.slot_token == 12)) and bool(jnp.any(jnp.sum(real.dispatch, axis=(-2, -1)) < 2))
+    poisoned = real.replace(dispatch=jnp.full_like(real.dispatch, jnp.nan), combine=jnp.full_like(real.combine, jnp.nan))
+    experts = layer.MlpExperts(8, 16, 32, rngs=nnx.Rngs(0))
+    sharded = layer.MlpExperts(8, 16, 32, rngs=nnx.Rngs(0))
+    parallel.shard_model(sharded, mesh)
+
+    def single_loss(x):
+        return jnp.sum(layer.moe(x, real, experts, path="gather") ** 2)
+
+    def parallel_loss(x):
+        return jnp.sum(parallel.expert_parallel_moe(x, poisoned, sharded, mesh) ** 2)
+
+    value_a, grad_a = jax.jit(jax.value_and_grad(single_loss))(x)
+    value_b, grad_b = jax.jit(jax.value_and_grad(parallel_loss))(jax.device_put(x, parallel.batch_sharding(mesh)))
+    assert np.isfinite(float(value_b))
+    np.testing.assert_allclose(float(value_a), float(value_b), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad_a), np.asarray(grad_b), atol=1e-5, rtol=1e-4)
+    print("sparse expert parallelism: gather/scatter in shard_map, dense tensors never read")
 
 
 def check_training_runs_sharded(tmp):
@@ -90,6 +127,7 @@ def check_errors():
 
 if __name__ == "__main__":
     check_equal_to_single_device()
+    check_sparse_path_never_reads_dense_tensors()
     check_training_runs_sharded(sys.argv[1])
     check_errors()
     print("ALL OK")
