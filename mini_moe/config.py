@@ -102,8 +102,8 @@ def default_scale() -> str:
 def default_dtype(scale: str) -> str:
     """The compute dtype a configuration gets unless ``model_dtype`` overrides it: ``"bfloat16"``
     for the full configuration on a GPU or TPU (parameters, routers and losses stay float32;
-    see :class:`~mini_moe.model.VisionMoE`), ``"float32"`` otherwise (CPUs gain nothing from
-    bfloat16 matmuls)."""
+    see :class:`~mini_moe.model.VisionMoE`), ``"float32"`` otherwise (the quick configuration,
+    and any configuration on a CPU, where XLA has no matrix unit for bfloat16)."""
     return "bfloat16" if scale == "full" and jax.default_backend() != "cpu" else "float32"
 
 
