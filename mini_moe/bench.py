@@ -40,8 +40,9 @@ from mini_moe import layer as layer_lib
 from mini_moe import routers as routers_lib
 from mini_moe.model import DenseMlp
 
+#: The shapes of the layer benchmark by name, each (images per group, tokens per image, groups, D, H, E).
+#: ``quick`` is the book's quick model, ``b32`` a B/32-like group and ``b16`` a B/16-like one.
 LAYER_SHAPES = {
-    # name: (images per group, tokens per image, groups, D, H, E)
     "quick": (8, 49, 16, 64, 128, 8),
     "b32": (8, 49, 1, 768, 3072, 32),  # about 12 tokens per expert: measures weight traffic
     "b16": (16, 196, 1, 768, 3072, 8),  # 16 images of 196 tokens (B/16 at 224 px): 392 tokens per expert
