@@ -38,4 +38,4 @@ __all__ = [
     "MlpExperts", "moe", "ROUTERS", "RouterOutput", "make_router",
     "Routing", "capacity", "expert_choice", "soft_routing", "token_choice",
 ]
-__version__ = "0.3.0"
+__version__ = "0.3.1"

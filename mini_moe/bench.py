@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import mini_moe
 from mini_moe import layer as layer_lib
 from mini_moe import routers as routers_lib
 from mini_moe.model import DenseMlp
@@ -69,7 +70,8 @@ def machine() -> dict:
         pass
     return {
         "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
-        "python": sys.version.split()[0], "jax": jax.__version__, "backend": jax.default_backend(),
+        "python": sys.version.split()[0], "jax": jax.__version__, "mini_moe": mini_moe.__version__,
+        "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }

@@ -287,7 +287,7 @@ def sparsity_constrained_plan(
     ``f += (P 1_E - 1) * step_i + 0.6 (f - f_previous)``, with steps that shrink geometrically
     from ``2 spread(scores) / (2 E)`` to 0.3 % of that at ``max_iters`` (large steps first bring F
     close to its minimum; the small ones then search the plans there for the most balanced),
-    keeping the iterate with the smallest mean token-marginal error. Three things make it fast
+    keeping the iterate with the smallest mean token-marginal error. Four things make it fast
     (chapter 5 measures them):
 
     * it starts from ``f[t]`` just below token t's c-th largest score (1 % of the way to the
@@ -296,10 +296,14 @@ def sparsity_constrained_plan(
     * each iteration evaluates the plan once (its residual is the next step's direction), and
       when every kept entry stays in its column's support the simplex threshold is the closed
       form ``(sum of the kept values - T/E) / C`` (Michelot's loop only runs otherwise);
-    * each column's top C starts from the previous iteration's: if its weakest member still
-      beats the strongest outsider, the set is unchanged and nothing is searched; otherwise
-      the new C-th value lies between those two values and bisection finds it there; an exact
-      sort-free top C runs wherever bisection fails (ties).
+    * each column's top C is searched among its candidates, not among all T: its 2 C to 3 C
+      best tokens when they were last chosen (at most T). An iteration gathers those values,
+      and one pass over the group checks that no other token has overtaken the C-th; when one
+      has (in a minority of iterations, mostly early ones), the candidates are chosen again;
+    * among the candidates, the top C starts from the previous iteration's: if its weakest
+      member still beats the strongest other candidate, the set is unchanged and nothing is
+      searched; otherwise the new C-th value lies between those two values and bisection finds
+      it there; an exact sort-free top C runs wherever bisection fails (ties).
 
     It stops when the token-marginal error ``max_t |P 1_E - 1|[t]`` is at most ``tol``, when
     neither F (by a relative 1e-6) nor the mean error has improved for ``patience`` iterations,
@@ -362,6 +366,23 @@ def _bracketed_top_k_mask(x: Array, k: int, lo: Array, hi: Array) -> tuple[Array
     return mask, jnp.all(valid & (jnp.sum(mask, axis=-1) == k))
 
 
+def _candidate_indices(mask: Array, size: int) -> Array:
+    """The indices of the True entries of each row of ``mask [..., n]``, in increasing order,
+    in ``size`` slots (a row with fewer fills the rest with n; entries beyond ``size`` are
+    dropped). Positions come from a prefix count done as two small matrix products (within
+    blocks of 32, then over the blocks): a cumulative sum is a slow scan on CPU."""
+    n = mask.shape[-1]
+    padded = jnp.pad(mask, [(0, 0)] * (mask.ndim - 1) + [(0, -n % 32)]).astype(jnp.float32)
+    blocks = padded.reshape(padded.shape[:-1] + (-1, 32))
+    within = blocks @ jnp.triu(jnp.ones((32, 32), jnp.float32))  # inclusive counts inside each block
+    before = within[..., -1] @ jnp.triu(jnp.ones((blocks.shape[-2],) * 2, jnp.float32), 1)  # in earlier blocks
+    position = (within + before[..., None]).reshape(padded.shape)[..., :n].astype(jnp.int32) - 1
+    rows = tuple(r[..., None] for r in jnp.indices(mask.shape[:-1], sparse=True))
+    index = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), mask.shape)
+    slots = jnp.full(mask.shape[:-1] + (size,), n, jnp.int32)
+    return slots.at[rows + (jnp.where(mask, position, size),)].set(index, mode="drop")
+
+
 # Subgradient steps with heavy-ball momentum, f += step_i * (P 1 - 1) + momentum * (f - f_previous), with
 # step_i = _STEP * spread / (2 E) * _FINAL ** (i / max_iters). Chosen on 8 groups of 392 and of 1024 tokens
 # (E = 32, c = 1 and 2, softmax scores of a random router, float64 prototype, 30 iterations) and checked on a
@@ -372,44 +393,89 @@ def _bracketed_top_k_mask(x: Array, k: int, lo: Array, hi: Array) -> tuple[Array
 _STEP, _FINAL, _MOMENTUM = 2.0, 0.003, 0.6
 
 
-@functools.partial(jax.jit, static_argnames=("max_nonzeros", "tol", "max_iters", "patience"))
-def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
+@functools.partial(jax.jit, static_argnames=("max_nonzeros", "tol", "max_iters", "patience", "candidates"))
+def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience, candidates=None):
     """Semi-dual solver of :func:`sparsity_constrained_plan` for groups ``scores [G, T, E]``.
 
-    Written for the whole batch (no ``vmap``) so that the exact top-C fallback is a real
-    branch; every reduction is per group and a group that has stopped no longer changes."""
+    Each column's top C is searched among at most ``candidates`` of its best tokens (M,
+    default 3 C, at most T; a choice keeps between (C + M) / 2 and M), held as indices
+    ``cand [G, E, M]``: an iteration gathers M values per column instead of
+    T, and one pass over the group checks that no other token has overtaken the C-th; when
+    one has, the candidates are chosen again. The answer does not depend on ``candidates``
+    (a test solves with C + 1 and with T). Written for the whole batch (no ``vmap``) so that
+    the exact top-C fallback and the refresh are real branches; every reduction is per group
+    and a group that has stopped no longer changes."""
     num_groups, num_tokens, num_experts = scores.shape
     scores_t = jnp.swapaxes(scores, 1, 2)  # [G, E, T]: one row per expert column
     col_mass = num_tokens / num_experts
     k = min(max_nonzeros, num_tokens)
+    size = min(num_tokens, max(k, candidates or 3 * k))  # M candidates per column
+    least = (k + size + 1) // 2  # a refresh keeps between `least` and `size` candidates
     step_scale = (jnp.max(scores_t, axis=(1, 2)) - jnp.min(scores_t, axis=(1, 2)) + 1e-12) / (2 * num_experts)
     decay = _FINAL ** (1.0 / max_iters)  # the step shrinks to _FINAL of the first one at max_iters
 
-    def threshold(shifted, keep):
+    def gather(values, cand):  # values [G, E or 1, T] at the candidates [G, E, M]
+        values = jnp.broadcast_to(values, cand.shape[:2] + (num_tokens,))
+        return jnp.take_along_axis(values, jnp.minimum(cand, num_tokens - 1), axis=-1)
+
+    def at_candidates(f, cand, scores_c):  # scores_c - f at the candidates; -inf in empty slots
+        return jnp.where(cand < num_tokens, scores_c - gather(f[:, None, :], cand), -jnp.inf)
+
+    def choose_candidates(shifted):
+        # Bisection on the value for a threshold that keeps between `least` and `size` entries of
+        # each column (a wide target: a few rounds); the exact top `size` where ties prevent it.
+        lo, hi = jnp.min(shifted, axis=-1), jnp.nextafter(jnp.max(shifted, axis=-1), jnp.inf)
+
+        def body(state):
+            lo, hi, theta, done = state
+            mid = 0.5 * (lo + hi)
+            count = jnp.sum(shifted >= mid[..., None], axis=-1)
+            hit = ~done & (count >= least) & (count <= size)
+            stuck = (mid <= lo) | (mid >= hi)
+            return (jnp.where(count > size, mid, lo), jnp.where(count < least, mid, hi), jnp.where(hit, mid, theta),
+                    done | hit | stuck)
+
+        everything = jnp.full(lo.shape, num_tokens <= size)  # then theta = lo keeps every token
+        *_, theta, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), body, (lo, hi, lo, everything))
+        is_cand = shifted >= theta[..., None]
+        count = jnp.sum(is_cand, axis=-1)
+        is_cand = jax.lax.cond(jnp.all((count >= k) & (count <= size)), lambda: is_cand,
+                               lambda: _top_k_mask(shifted, size))
+        return _candidate_indices(is_cand, size), is_cand
+
+    def search(shifted_c, lo, hi):  # bisection in [lo, hi); the exact sort-free top C where it fails (ties)
+        mask, exact = _bracketed_top_k_mask(shifted_c, k, lo, hi)
+        return jax.lax.cond(exact, lambda: mask, lambda: _top_k_mask(shifted_c, k))
+
+    def top_k(shifted_c, previous):
+        # The previous iteration's top C, at the new values: its weakest member a and the strongest
+        # other candidate b. If a > b in every column, the set has not changed (the common case late
+        # in the solve) and no search runs; otherwise the new C-th value lies in [min(a, b), max(a, b)].
+        a = jnp.min(jnp.where(previous, shifted_c, jnp.inf), axis=-1)
+        b = jnp.max(jnp.where(previous, -jnp.inf, shifted_c), axis=-1)
+        lo, hi = jnp.minimum(a, b), jnp.nextafter(jnp.maximum(a, b), jnp.inf)
+        return jax.lax.cond(jnp.all(a > b), lambda: previous, lambda: search(shifted_c, lo, hi))
+
+    def refresh(f):  # new candidates for f, their values and their top C
+        cand, is_cand = choose_candidates(scores_t - f[:, None, :])
+        scores_c = gather(scores_t, cand)
+        shifted_c = at_candidates(f, cand, scores_c)
+        lowest = jnp.min(jnp.where(cand < num_tokens, shifted_c, jnp.inf), axis=-1)
+        highest = jnp.nextafter(jnp.max(shifted_c, axis=-1), jnp.inf)
+        return cand, is_cand, scores_c, shifted_c, search(shifted_c, lowest, highest)
+
+    def evaluate(f, cand, shifted_c, keep):  # the plan at the candidates, P 1 - 1 and F
+        kept = jnp.where(keep, shifted_c, 0.0)
         # Usually every kept entry stays in the support (the mass T/E is large next to a column's
         # spread), and then the first Michelot estimate is already exact: one pass, no loop.
-        tau = (jnp.sum(jnp.where(keep, shifted, 0.0), axis=-1) - col_mass) / k
-        inside = jnp.all(~keep | (shifted > tau[..., None]))
-        return jax.lax.cond(inside, lambda: tau, lambda: _michelot_threshold(shifted, col_mass, keep))
-
-    def evaluate(f, shifted, keep):  # shifted = scores_t - f, computed once per iteration
-        plan_t = jnp.maximum(jnp.where(keep, shifted - threshold(shifted, keep)[..., None], 0.0), 0.0)
-        residual = plan_t.sum(axis=1) - 1.0  # minus the gradient of F
-        objective = jnp.sum(f, axis=-1) + jnp.sum(plan_t * shifted - 0.5 * plan_t**2, axis=(1, 2))
-        return plan_t, residual, objective
-
-    def search(shifted, lo, hi):  # bisection in [lo, hi); the exact sort-free top C where it fails (ties)
-        mask, exact = _bracketed_top_k_mask(shifted, k, lo, hi)
-        return jax.lax.cond(exact, lambda: mask, lambda: _top_k_mask(shifted, k))
-
-    def top_k(shifted, previous):
-        # The previous iteration's top C, at the new values: its weakest member a and the strongest
-        # outsider b. If a > b in every column, the set has not changed (the common case late in
-        # the solve) and no search runs; otherwise the new C-th value lies in [min(a, b), max(a, b)].
-        a = jnp.min(jnp.where(previous, shifted, jnp.inf), axis=-1)
-        b = jnp.max(jnp.where(previous, -jnp.inf, shifted), axis=-1)
-        lo, hi = jnp.minimum(a, b), jnp.nextafter(jnp.maximum(a, b), jnp.inf)
-        return jax.lax.cond(jnp.all(a > b), lambda: previous, lambda: search(shifted, lo, hi))
+        tau = (jnp.sum(kept, axis=-1) - col_mass) / k
+        inside = jnp.all(~keep | (shifted_c > tau[..., None]))
+        tau = jax.lax.cond(inside, lambda: tau, lambda: _michelot_threshold(kept, col_mass, keep))
+        plan_c = jnp.maximum(jnp.where(keep, shifted_c - tau[..., None], 0.0), 0.0)
+        groups = jnp.arange(num_groups)[:, None, None]
+        residual = jnp.zeros(f.shape, f.dtype).at[groups, cand].add(plan_c, mode="drop") - 1.0  # minus dF
+        objective = jnp.sum(f, axis=-1) + jnp.sum(plan_c * kept - 0.5 * plan_c**2, axis=(1, 2))
+        return plan_c, residual, objective
 
     def errors(residual):
         return jnp.mean(jnp.abs(residual), axis=-1), jnp.max(jnp.abs(residual), axis=-1)
@@ -420,16 +486,15 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
     best = jax.lax.top_k(scores, level + 1)[0] if num_experts > 1 else jnp.concatenate([scores, scores], -1)
     best = jax.lax.optimization_barrier(best)  # XLA:CPU turns top_k + slicing into a full sort (10x slower)
     f = best[..., level - 1] - 0.01 * (best[..., level - 1] - best[..., level])
-    shifted = scores_t - f[:, None, :]
-    lo, hi = jnp.min(shifted, axis=-1), jnp.max(shifted, axis=-1)  # the widest bracket: all / no entries
-    keep = search(shifted, lo, jnp.nextafter(hi, jnp.inf))
-    plan_t, residual, obj = evaluate(f, shifted, keep)
+    cand, is_cand, scores_c, shifted_c, keep = refresh(f)
+    _, residual, obj = evaluate(f, cand, shifted_c, keep)
     err, max_err = errors(residual)
     zeros = jnp.zeros((num_groups,), jnp.int32)
-    # The loop carries the best iterate's potential and top-C sets, not its plan (one pass less per
-    # iteration); the plan is rebuilt from them once at the end.
-    state = dict(i=zeros, f=f, f_prev=f, residual=residual, keep=keep, max_err=max_err, best_f=f, best_keep=keep,
-                 best_err=err, best_max=max_err, best_obj=obj, min_obj=obj, stall=zeros)
+    # The loop carries the best iterate's potential, candidates and top-C sets, not its plan (one
+    # pass less per iteration); the plan is rebuilt from them once at the end.
+    state = dict(i=zeros, f=f, f_prev=f, residual=residual, cand=cand, is_cand=is_cand, scores_c=scores_c, keep=keep,
+                 max_err=max_err, best_f=f, best_cand=cand, best_keep=keep, best_err=err, best_max=max_err,
+                 best_obj=obj, min_obj=obj, stall=zeros)
 
     def active(s):
         return (s["i"] < max_iters) & (s["max_err"] > tol) & (s["stall"] < patience)
@@ -439,9 +504,15 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
         step = jnp.where(run, _STEP * step_scale * decay ** s["i"].astype(step_scale.dtype), 0.0)
         momentum = jnp.where(run, _MOMENTUM, 0.0)[:, None] * (s["f"] - s["f_prev"])  # heavy ball
         f = s["f"] + s["residual"] * step[:, None] + momentum
-        shifted = scores_t - f[:, None, :]
-        keep = top_k(shifted, s["keep"])
-        plan_t, residual, obj = evaluate(f, shifted, keep)
+        shifted_c = at_candidates(f, s["cand"], s["scores_c"])
+        keep = top_k(shifted_c, s["keep"])
+        # One pass over the group: has a token outside the candidates overtaken a column's C-th?
+        outside = jnp.max(jnp.where(s["is_cand"], -jnp.inf, scores_t - f[:, None, :]), axis=-1)
+        weakest = jnp.min(jnp.where(keep, shifted_c, jnp.inf), axis=-1)
+        cand, is_cand, scores_c, shifted_c, keep = jax.lax.cond(
+            jnp.all(weakest > outside), lambda: (s["cand"], s["is_cand"], s["scores_c"], shifted_c, keep),
+            lambda: refresh(f))
+        _, residual, obj = evaluate(f, cand, shifted_c, keep)
         err, max_err = errors(residual)
         better = run & (err < s["best_err"])
         improved = better | (obj < s["min_obj"] - 1e-6 * jnp.abs(s["min_obj"]))
@@ -450,9 +521,10 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
             return jnp.where(where.reshape(where.shape + (1,) * (new.ndim - 1)), new, old)
 
         return dict(
-            i=s["i"] + run, f=pick(f, s["f"]), f_prev=pick(s["f"], s["f_prev"]), residual=pick(residual, s["residual"]), keep=pick(keep, s["keep"]),
-            max_err=pick(max_err, s["max_err"]), best_f=pick(f, s["best_f"], better),
-            best_keep=pick(keep, s["best_keep"], better),
+            i=s["i"] + run, f=pick(f, s["f"]), f_prev=pick(s["f"], s["f_prev"]), residual=pick(residual, s["residual"]),
+            cand=pick(cand, s["cand"]), is_cand=pick(is_cand, s["is_cand"]), scores_c=pick(scores_c, s["scores_c"]),
+            keep=pick(keep, s["keep"]), max_err=pick(max_err, s["max_err"]), best_f=pick(f, s["best_f"], better),
+            best_cand=pick(cand, s["best_cand"], better), best_keep=pick(keep, s["best_keep"], better),
             best_err=pick(err, s["best_err"], better), best_max=pick(max_err, s["best_max"], better),
             best_obj=pick(obj, s["best_obj"], better),
             min_obj=pick(jnp.minimum(obj, s["min_obj"]), s["min_obj"]),
@@ -460,7 +532,10 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience):
         )
 
     s = jax.lax.while_loop(lambda s: jnp.any(active(s)), body, state)
-    plan_t = evaluate(s["best_f"], scores_t - s["best_f"][:, None, :], s["best_keep"])[0]
+    cand = s["best_cand"]
+    plan_c = evaluate(s["best_f"], cand, at_candidates(s["best_f"], cand, gather(scores_t, cand)), s["best_keep"])[0]
+    groups, experts = jnp.arange(num_groups)[:, None, None], jnp.arange(num_experts)[None, :, None]
+    plan_t = jnp.zeros(scores_t.shape, plan_c.dtype).at[groups, experts, cand].set(plan_c, mode="drop")
     converged = (s["max_err"] <= tol) | (s["stall"] >= patience) | (s["best_max"] <= tol)
     info = PlanInfo(s["i"], s["best_max"], s["best_err"], s["best_obj"], converged)
     return jnp.swapaxes(plan_t, 1, 2), info

@@ -11,6 +11,7 @@ compilation cache is reused; that ``jit`` gives the plain call's result is teste
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -710,3 +711,41 @@ def test_bracketed_top_k_mask_equals_exact(data, k, width):
     _, wrong = transport._bracketed_top_k_mask(jnp.asarray(x), k, jnp.asarray(kth + 0.5 * width + 3.0),
                                                jnp.asarray(kth + width + 4.0))
     assert not bool(wrong)
+
+
+@SETTINGS
+@given(data=st.data(), n=st.sampled_from([5, 32, 33, 70]), size=st.integers(1, 40))
+def test_candidate_indices_are_the_true_entries_in_order(data, n, size):
+    mask = data.draw(hnp.arrays(np.bool_, (3, 2, n)))
+    slots = np.asarray(transport._candidate_indices(jnp.asarray(mask), size))
+    assert slots.shape == (3, 2, size)
+    for row, got in zip(mask.reshape(-1, n), slots.reshape(-1, size)):
+        expected = np.flatnonzero(row)[:size]
+        np.testing.assert_array_equal(got[: len(expected)], expected)
+        assert np.all(got[len(expected):] == n)  # empty slots hold n
+
+
+@pytest.mark.parametrize("duplicated", [False, True])
+@pytest.mark.parametrize("factor", [1, 2])
+def test_sparsity_constrained_plan_does_not_depend_on_candidates(factor, duplicated):
+    """The solver searches each column's top C among M candidate tokens and chooses them again
+    when an outsider overtakes the C-th. M = C + 1 (candidates chosen again almost every
+    iteration), the default 3 C and M = T (every token a candidate: never chosen again) must
+    give the same plan. Also when every token appears twice: the two copies start with equal
+    potentials, so their values tie in every column (the bisections fail there and the exact
+    top C breaks the tie by the lower index) until their residuals part them."""
+    num_tokens, num_experts = 200, 8
+    cap = factor * num_tokens // num_experts
+    scores = np.stack([_softmax_scores(seed, (num_tokens, num_experts), scale=3.0) for seed in (40, 41)])
+    if duplicated:
+        scores = np.repeat(scores[:, : num_tokens // 2], 2, axis=1)
+    solve = functools.partial(transport._sparse_plan_groups, jnp.asarray(scores, jnp.float32), max_nonzeros=cap,
+                              tol=1e-3, max_iters=40, patience=100)
+    reference, info = solve(candidates=num_tokens)
+    for candidates in (cap + 1, None):
+        plan, other = solve(candidates=candidates)
+        np.testing.assert_allclose(np.asarray(plan), np.asarray(reference), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(plan) > 0, np.asarray(reference) > 0)
+        np.testing.assert_array_equal(np.asarray(other.iterations), np.asarray(info.iterations))
+    np.testing.assert_allclose(np.asarray(reference).sum(1), num_tokens / num_experts, atol=1e-4)
+    assert np.all(np.count_nonzero(np.asarray(reference), axis=1) <= cap)
