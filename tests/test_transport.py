@@ -725,8 +725,7 @@ def test_candidate_indices_are_the_true_entries_in_order(data, n, size):
         assert np.all(got[len(expected):] == n)  # empty slots hold n
 
 
-@pytest.mark.parametrize("duplicated", [False, True])
-@pytest.mark.parametrize("factor", [1, 2])
+@pytest.mark.parametrize("factor, duplicated", [(1, True), (2, False)])
 def test_sparsity_constrained_plan_does_not_depend_on_candidates(factor, duplicated):
     """The solver searches each column's top C among M candidate tokens and chooses them again
     when an outsider overtakes the C-th. M = C + 1 (candidates chosen again almost every
