@@ -196,6 +196,11 @@ def config_to_json(cfg: TrainConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _as_saved(cfg: TrainConfig) -> dict:
+    """``cfg`` as it reads back from config.json (tuples become lists): what resume compares."""
+    return json.loads(json.dumps(config_to_json(cfg)))
+
+
 def config_from_json(obj: dict) -> TrainConfig:
     model = dict(obj["model"])
     model["router_kwargs"] = tuple(tuple(kv) for kv in model.get("router_kwargs", ()))
@@ -293,9 +298,9 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     config_path = out_dir / "config.json"
     history_path = out_dir / "history.json"
     if resume and config_path.exists():
-        saved = json.loads(config_path.read_text())
         # Through config_from_json: a field added since the run was saved takes its default.
-        if json.loads(json.dumps(config_to_json(config_from_json(saved)))) != json.loads(json.dumps(config_to_json(cfg))):
+        saved = config_from_json(json.loads(config_path.read_text()))
+        if _as_saved(saved) != _as_saved(cfg):
             raise ValueError(
                 f"{out_dir} holds a run with a different configuration; use another out_dir or resume=False."
             )

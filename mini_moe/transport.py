@@ -340,30 +340,30 @@ def sparsity_constrained_plan(
     return (plan, info) if return_info else plan
 
 
-def _bracketed_top_k_mask(x: Array, k: int, lo: Array, hi: Array) -> tuple[Array, Array]:
-    """Mask of the k largest entries of each row of ``x [..., n]`` by bisection on the value,
-    given ``lo [...]`` and ``hi [...]`` with ``count(x >= lo) >= k > count(x >= hi)``. A row is
-    done when some threshold keeps exactly k entries; returns the mask and whether every row
-    found one (a row whose k-th and (k+1)-th values tie, or a wrong bracket, never does)."""
-
-    def cond(state):
-        lo, hi, _, done = state
-        return ~jnp.all(done)
+def _bracketed_top_k_mask(x: Array, k: int, lo: Array, hi: Array, *, most: int | None = None) -> tuple[Array, Array]:
+    """Mask of the k largest entries of each row of ``x [..., n]`` (with ``most``: of its
+    largest entries, between k and ``most`` of them) by bisection on the value, given ``lo [...]``
+    and ``hi [...]`` with ``count(x >= lo) >= k > count(x >= hi)``. A row is done when some
+    threshold keeps an allowed number of entries; returns the mask and whether every row found
+    one (a row whose k-th and (k+1)-th values tie, or a wrong bracket, never does)."""
+    most = k if most is None else most
 
     def body(state):
         lo, hi, theta, done = state
         mid = 0.5 * (lo + hi)
         count = jnp.sum(x >= mid[..., None], axis=-1)
-        hit = ~done & (count == k)
+        hit = ~done & (count >= k) & (count <= most)
         stuck = (mid <= lo) | (mid >= hi)  # the bracket cannot shrink further
-        return (jnp.where(count > k, mid, lo), jnp.where(count < k, mid, hi), jnp.where(hit, mid, theta),
+        return (jnp.where(count > most, mid, lo), jnp.where(count < k, mid, hi), jnp.where(hit, mid, theta),
                 done | hit | stuck)
 
     count_lo, count_hi = jnp.sum(x >= lo[..., None], axis=-1), jnp.sum(x >= hi[..., None], axis=-1)
     valid = (count_lo >= k) & (count_hi < k)
-    lo, hi, theta, _ = jax.lax.while_loop(cond, body, (lo, hi, lo, ~valid))
+    start = ~valid | (count_lo <= most)  # lo itself keeps an allowed number: theta = lo
+    *_, theta, _ = jax.lax.while_loop(lambda state: ~jnp.all(state[3]), body, (lo, hi, lo, start))
     mask = x >= theta[..., None]
-    return mask, jnp.all(valid & (jnp.sum(mask, axis=-1) == k))
+    count = jnp.sum(mask, axis=-1)
+    return mask, jnp.all(valid & (count >= k) & (count <= most))
 
 
 def _candidate_indices(mask: Array, size: int) -> Array:
@@ -422,25 +422,11 @@ def _sparse_plan_groups(scores, *, max_nonzeros, tol, max_iters, patience, candi
         return jnp.where(cand < num_tokens, scores_c - gather(f[:, None, :], cand), -jnp.inf)
 
     def choose_candidates(shifted):
-        # Bisection on the value for a threshold that keeps between `least` and `size` entries of
-        # each column (a wide target: a few rounds); the exact top `size` where ties prevent it.
+        # Between `least` and `size` of each column's best entries (a wide target: a few rounds of
+        # bisection); the exact top `size` where ties prevent it.
         lo, hi = jnp.min(shifted, axis=-1), jnp.nextafter(jnp.max(shifted, axis=-1), jnp.inf)
-
-        def body(state):
-            lo, hi, theta, done = state
-            mid = 0.5 * (lo + hi)
-            count = jnp.sum(shifted >= mid[..., None], axis=-1)
-            hit = ~done & (count >= least) & (count <= size)
-            stuck = (mid <= lo) | (mid >= hi)
-            return (jnp.where(count > size, mid, lo), jnp.where(count < least, mid, hi), jnp.where(hit, mid, theta),
-                    done | hit | stuck)
-
-        everything = jnp.full(lo.shape, num_tokens <= size)  # then theta = lo keeps every token
-        *_, theta, _ = jax.lax.while_loop(lambda s: ~jnp.all(s[3]), body, (lo, hi, lo, everything))
-        is_cand = shifted >= theta[..., None]
-        count = jnp.sum(is_cand, axis=-1)
-        is_cand = jax.lax.cond(jnp.all((count >= k) & (count <= size)), lambda: is_cand,
-                               lambda: _top_k_mask(shifted, size))
+        is_cand, found = _bracketed_top_k_mask(shifted, least, lo, hi, most=size)
+        is_cand = jax.lax.cond(found, lambda: is_cand, lambda: _top_k_mask(shifted, size))
         return _candidate_indices(is_cand, size), is_cand
 
     def search(shifted_c, lo, hi):  # bisection in [lo, hi); the exact sort-free top C where it fails (ties)
