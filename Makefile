@@ -4,10 +4,12 @@
 #   make test   unit tests, every chapter under nbval, the notebook-pair checks, the workflow
 #               lint and the offline browser check of a built slice of the book
 #   make sync   after editing book/NN_topic.md: update its .ipynb twin (outputs stripped)
-#   make floors the unit tests with the lowest jax/flax/optax/orbax/numpy pyproject.toml allows
+#   make floors the unit tests with every dependency at the lowest version pyproject.toml allows
 #
 # Everything runs inside a virtual environment in .venv, created on first use from
-# pyproject.toml (needs network access to PyPI only).
+# pyproject.toml (needs network access to PyPI only). On Linux, Fashion-MNIST and Chromium come
+# from Debian's packages (apt-get); macOS has no apt-get, so there FASHION_MNIST=tfds and
+# CHROMIUM=Google Chrome are the defaults (see `data` and `chromium` below).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,15 +18,35 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data book test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows
+.PHONY: venv data data-apt data-tfds book test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows
 
 venv: $(STAMP)
 
-# Fashion-MNIST comes from Debian's package (IDX files in /usr/share/datasets/fashion-mnist).
+UNAME := $(shell uname -s)
+
+# Fashion-MNIST, where mini_moe.data.load("fashion_mnist") finds it without a data_dir:
+#   FASHION_MNIST=apt  (default on Linux) Debian's package: IDX files in /usr/share/datasets/fashion-mnist.
+#   FASHION_MNIST=tfds (default on macOS: no apt-get, and /usr/share is read-only there) the
+#       tensorflow-datasets fallback: prepared once into ~/tensorflow_datasets (or $TFDS_DATA_DIR),
+#       which needs network access and TensorFlow. TensorFlow stays out of .venv: a throwaway venv
+#       in a temporary folder makes exactly the call mini_moe.data makes (tfds.data_source), and
+#       .venv gets array_record to read the prepared files (tfds declares it for Linux only).
+FASHION_MNIST ?= $(if $(filter Darwin,$(UNAME)),tfds,apt)
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
+TFDS_DIR := $(or $(TFDS_DATA_DIR),$(HOME)/tensorflow_datasets)
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-data:
+data: data-$(FASHION_MNIST)
+
+data-apt:
 	@test -d $(FMNIST_DIR) || { $(SUDO) apt-get update && $(SUDO) apt-get install -y dataset-fashion-mnist; }
+
+data-tfds: venv
+	@$(PY) -c "import array_record" 2>/dev/null || $(PY) -m pip install array_record
+	@ls "$(TFDS_DIR)"/fashion_mnist/*/dataset_info.json >/dev/null 2>&1 || { \
+	  tmp=$$(mktemp -d) && $(PYTHON) -m venv "$$tmp/venv" \
+	  && "$$tmp/venv/bin/python" -m pip install tensorflow tensorflow-datasets importlib_resources array_record \
+	  && "$$tmp/venv/bin/python" -c 'import tensorflow_datasets as tfds; tfds.data_source("fashion_mnist")' \
+	  && rm -rf "$$tmp"; }
 
 # Re-install when the dependency list changes; the stamp keeps later runs instant.
 $(STAMP): pyproject.toml
@@ -45,20 +67,24 @@ test: check-notebooks lint-workflows unit nbval browser-check
 unit: venv data
 	$(PY) -m pytest -n auto tests
 
-# The declared floors, tested: a second venv with exactly the lowest jax (+ same jaxlib), flax,
-# optax, orbax-checkpoint and numpy that pyproject.toml's `dependencies` allow (.ci/floors.py
-# turns their `>=` into `==` constraints), the package with its test extra, and the unit tests
-# on all cores (pytest-xdist: 1.6x faster on 2 cores). .ci/run deselects a few slow tests.
+# The declared floors, tested: a fresh second venv in which ONE pip call installs the package with
+# its test and tfds extras under constraints that pin every runtime dependency and the tfds extra
+# at exactly its floor (.ci/floors.py turns pyproject.toml's `>=` into `==`, jaxlib = jax, and
+# refuses an import of mini_moe that pyproject does not declare); the test tools resolve around
+# the floors in that same call. Then the unit tests on all cores (pytest-xdist: 1.6x faster on 2
+# cores); .ci/run runs them under a second instruction set (XLA_FLAGS=--xla_cpu_max_isa=AVX2).
+# The venv is made again from scratch whenever pyproject.toml or .ci/floors.py changes.
 FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
 FLOORS_STAMP := $(FLOORS_VENV)/.mini_moe-installed
 FLOORS_PYTEST_ARGS ?= -n auto
 
 $(FLOORS_STAMP): pyproject.toml .ci/floors.py
-	test -x $(FLOORS_PY) || $(PYTHON) -m venv $(FLOORS_VENV)
+	rm -rf $(FLOORS_VENV)
+	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(PYTHON) .ci/floors.py > $(FLOORS_VENV)/constraints.txt
 	$(FLOORS_PY) -m pip install --upgrade pip
-	$(FLOORS_PY) -m pip install -c $(FLOORS_VENV)/constraints.txt -e '.[test]'
+	$(FLOORS_PY) -m pip install -c $(FLOORS_VENV)/constraints.txt -e '.[test,tfds]'
 	touch $(FLOORS_STAMP)
 
 floors: $(FLOORS_STAMP) data
@@ -77,10 +103,18 @@ lint-workflows: venv
 	$(VENV)/bin/actionlint -no-color .github/workflows/*.yml
 	@echo "actionlint: workflows OK"
 
-# Headless Chromium from Debian's package, for the browser check.
+# Headless Chromium for the browser check: $CHROMIUM when it is set, else chromium,
+# chromium-browser or google-chrome on PATH, else Debian's package. macOS has no apt-get: there
+# CHROMIUM defaults to Google Chrome's app (preinstalled on GitHub's macOS runners; elsewhere
+# `brew install --cask google-chrome`).
+ifeq ($(UNAME),Darwin)
+CHROMIUM ?= /Applications/Google Chrome.app/Contents/MacOS/Google Chrome
+export CHROMIUM
+endif
 chromium:
-	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null \
-	  || $(SUDO) apt-get install -y chromium || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+	@if [ -n "$$CHROMIUM" ]; then command -v "$$CHROMIUM" >/dev/null || { echo "CHROMIUM=$$CHROMIUM is not an executable" >&2; exit 1; }; \
+	else command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null \
+	  || $(SUDO) apt-get install -y chromium || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }; fi
 
 # Builds intro + chapter 1 (+ a probe page) into a temporary folder with _config.yml and opens
 # the pages in headless Chromium without network: equations typeset, figures loaded.

@@ -1,35 +1,89 @@
-"""Print pip constraints that pin mini_moe's JAX stack to the lowest versions pyproject.toml allows.
+"""Print pip constraints that pin every runtime dependency of mini_moe to its declared floor.
 
     python3 .ci/floors.py > constraints.txt
-    pip install -c constraints.txt -e '.[test]'
-    python .ci/floors.py --check    # in that venv: exit 1 unless exactly these are installed
+    pip install -c constraints.txt -e '.[test,tfds]'   # one resolver call: the floors + test tools
+    python .ci/floors.py --check    # in that venv: exit 1 unless exactly these are installed,
+                                    # or mini_moe imports a package that pyproject does not declare
 
-pyproject.toml's `dependencies` is the one place that states the floors: every package named in
-PINNED must appear there with a `>=` floor, which becomes `==`; jaxlib gets jax's floor (a jax
-release needs the jaxlib of the same version). `make floors` runs the unit tests in such a venv.
+pyproject.toml is the one place that states the floors: every entry of `[project] dependencies`
+and of the `tfds` extra must carry a `>=` floor, which becomes `==`; jaxlib gets jax's floor (a
+jax release needs the jaxlib of the same version). The test tools (pytest, hypothesis, POT,
+ott-jax, ...) are not pinned: pip picks versions of them that work with the pinned floors, in the
+same call. `make floors` runs the unit tests in such a venv. Standard library only: it runs with
+any python3 before the venv exists.
 """
 
+import ast
 import pathlib
 import re
 import sys
 import tomllib
 
-PINNED = ("jax", "flax", "optax", "orbax-checkpoint", "numpy")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# Extras whose packages are pinned too (tfds: CIFAR and the Fashion-MNIST fallback in mini_moe.data).
+PINNED_EXTRAS = ("tfds",)
+# Imports of mini_moe that are deliberately not runtime dependencies: each is inside
+# `try: ... except ImportError` and only a test or the book needs it.
+OPTIONAL_IMPORTS = {
+    "ot": "POT, test extra: bench's sparsity_solver comparison, which says how to install it",
+    "myst_nb": "book extra: notebook.glue prints the value instead outside a Jupyter Book build",
+}
+# Import name -> distribution name, where they differ.
+DISTRIBUTION = {"sklearn": "scikit-learn", "orbax": "orbax-checkpoint",
+                "tensorflow_datasets": "tensorflow-datasets"}
+# "name>=floor", optionally with more specifiers (",<3") and an environment marker ("; ...").
+_FLOOR = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9][^,;\s]*)\s*(?:,[^;]*)?(?:;.*)?")
 
 
-def floors(pyproject: pathlib.Path) -> dict[str, str]:
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    found = {}
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def floors(pyproject: pathlib.Path = ROOT / "pyproject.toml") -> dict[str, str]:
+    """{distribution: floor} for `[project] dependencies` and the PINNED_EXTRAS, plus jaxlib."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    deps = list(project["dependencies"])
+    for extra in PINNED_EXTRAS:
+        deps += project["optional-dependencies"][extra]
+    pins, unpinned = {}, []
     for dep in deps:
-        m = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9][^,;\s]*)\s*(?:,[^;]*)?", dep)
+        m = _FLOOR.fullmatch(dep)
         if m:
-            found[m[1].lower().replace("_", "-")] = m[2]
-    missing = [name for name in PINNED if name not in found]
-    if missing:
-        sys.exit(f"pyproject.toml: no '>=' floor for {', '.join(missing)} in [project] dependencies")
-    pins = {name: found[name] for name in PINNED}
-    pins["jaxlib"] = pins["jax"]
+            pins[_normalize(m[1])] = m[2]
+        else:
+            unpinned.append(dep)
+    if unpinned:
+        sys.exit(f"pyproject.toml: no '>=' floor for {', '.join(unpinned)} "
+                 f"(in [project] dependencies or the extras {', '.join(PINNED_EXTRAS)})")
+    if "jax" in pins:
+        pins["jaxlib"] = pins["jax"]
     return pins
+
+
+def imported_packages(package: pathlib.Path = ROOT / "mini_moe") -> dict[str, str]:
+    """{top-level module: first file importing it} for every non-stdlib import in the package,
+    the imports inside functions included."""
+    found = {}
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != package.name:
+                    found.setdefault(top, path.relative_to(ROOT).as_posix())
+    return found
+
+
+def undeclared(pins: dict[str, str]) -> list[str]:
+    """mini_moe's imports whose distribution has no floor (and is not in OPTIONAL_IMPORTS)."""
+    return [f"{module} ({where})" for module, where in imported_packages().items()
+            if module not in OPTIONAL_IMPORTS
+            and _normalize(DISTRIBUTION.get(module, module)) not in pins]
 
 
 def check(pins: dict[str, str]) -> None:
@@ -44,7 +98,11 @@ def check(pins: dict[str, str]) -> None:
 
 
 if __name__ == "__main__":
-    pins = floors(pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml")
+    pins = floors()
+    missing = undeclared(pins)
+    if missing:
+        sys.exit("mini_moe imports packages that pyproject.toml does not declare with a floor: "
+                 + ", ".join(missing))
     if sys.argv[1:] == ["--check"]:
         check(pins)
     else:

@@ -24,7 +24,8 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.bench` — benchmarks, and the results committed with the package.
 * :mod:`mini_moe.figures` — pictures of routing tensors, of eq. (2) and of expert parallelism.
 * :mod:`mini_moe.notebook` — ``glue`` for the book's chapters.
-* :mod:`mini_moe.validate` — the argument checks every module shares.
+* :mod:`mini_moe.validate` — the argument checks every module shares, and ``InputError``, the
+  one exception they raise (the command line prints it without a traceback).
 * ``python -m mini_moe`` — the command line (``train``, ``evaluate``, ``bench``, ``study``, ...).
 """
 
@@ -32,10 +33,11 @@ from mini_moe import layer, losses, routers, routing, transport
 from mini_moe.layer import MlpExperts, moe
 from mini_moe.routers import ROUTERS, RouterOutput, make_router
 from mini_moe.routing import Routing, capacity, expert_choice, soft_routing, token_choice
+from mini_moe.validate import InputError
 
 __all__ = [
     "layer", "losses", "routers", "routing", "transport",
     "MlpExperts", "moe", "ROUTERS", "RouterOutput", "make_router",
-    "Routing", "capacity", "expert_choice", "soft_routing", "token_choice",
+    "Routing", "capacity", "expert_choice", "soft_routing", "token_choice", "InputError",
 ]
-__version__ = "0.3.1"
+__version__ = "0.4.0"

@@ -1,8 +1,9 @@
 """Command line: ``python -m mini_moe {train,evaluate,bench,study} ...`` (``--help`` on each).
 
-A user's error (a bad argument or option value, missing data, a missing optional package)
-ends in one message on stderr, ``mini_moe: error: ...``, and exit status 2; set
-``MINI_MOE_TRACEBACK=1`` to see the traceback instead.
+A user's error (a bad argument or option value, missing data, a missing optional package:
+:class:`mini_moe.validate.InputError`, which every check of the package raises) ends in one
+message on stderr, ``mini_moe: error: ...``, and exit status 2; set ``MINI_MOE_TRACEBACK=1`` to
+see the traceback instead. Any other exception is a bug and shows its traceback.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import sys
 
 from mini_moe import data as data_lib
 from mini_moe.routers import ROUTERS
+from mini_moe.validate import InputError
 
 ROUTER_CHOICES = sorted(ROUTERS) + ["dense"]
 
-#: What the library raises for input it cannot use; its messages name the argument and the fix.
-USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
+
+def _check_minutes(minutes: float | None) -> None:
+    if minutes is not None and not minutes > 0:
+        raise InputError(f"--minutes must be > 0 (minutes of training), got {minutes!r}.")
 
 
 def _parse_override(text: str):
@@ -72,6 +76,7 @@ def _train(args):
     from mini_moe import config as config_lib
     from mini_moe import train as train_lib
 
+    _check_minutes(args.minutes)
     overrides = dict(args.overrides)
     if args.steps is not None:
         overrides["steps"] = args.steps
@@ -184,7 +189,8 @@ def _study(args):
     if args.steps is not None:
         overrides["steps"] = args.steps
     if args.steps is not None and args.minutes is not None:
-        raise ValueError("give --steps or --minutes, not both.")
+        raise InputError("give --steps or --minutes, not both.")
+    _check_minutes(args.minutes)
     out = pathlib.Path(args.out or f"runs/study-{args.dataset}")
     command = "python -m mini_moe " + " ".join(args.argv)
     results = study.run_study(out, dataset=args.dataset, routers=args.routers, capacities=args.capacities,
@@ -246,7 +252,7 @@ def main(argv=None) -> int:
     args.argv = argv
     try:
         args.func(args)
-    except USER_ERRORS as e:
+    except InputError as e:
         if os.environ.get("MINI_MOE_TRACEBACK"):
             raise
         print(f"mini_moe: error: {e}", file=sys.stderr)

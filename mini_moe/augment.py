@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from mini_moe.validate import InputError
+
 __all__ = ["CropTransform", "random_resized_crop", "resample", "to_source", "from_source", "view_resolution",
            "patch_correspondence"]
 
@@ -101,13 +103,13 @@ def resample(images: np.ndarray, transforms: CropTransform, *, out_size: int) ->
     """
     images = np.asarray(images, np.float32)
     if images.ndim != 4:
-        raise ValueError(f"images must be [B, H, W, C], got shape {images.shape}")
+        raise InputError(f"images must be [B, H, W, C], got shape {images.shape}")
     b, h, w, _ = images.shape
     centres = np.arange(out_size) + 0.5
     grid = np.stack([centres, centres], axis=-1)          # [S, 2]: (y_i, x_i) for i < S
     src = to_source(transforms, grid, out_size=out_size)  # [B, S, 2]
     if src.shape[0] != b:
-        raise ValueError(f"transforms describe {src.shape[0]} views, images has {b}")
+        raise InputError(f"transforms describe {src.shape[0]} views, images has {b}")
     y0, y1, wy = _bilinear_taps(src[..., 0], h)           # [B, S] each
     x0, x1, wx = _bilinear_taps(src[..., 1], w)
     bi = np.arange(b)[:, None]
@@ -151,9 +153,9 @@ def random_resized_crop(rng: np.random.Generator, images: np.ndarray, *, out_siz
     """
     images = np.asarray(images)
     if images.ndim != 4:
-        raise ValueError(f"images must be [B, H, W, C], got shape {images.shape}")
+        raise InputError(f"images must be [B, H, W, C], got shape {images.shape}")
     if not (0 < scale[0] <= scale[1] <= 1) or not (0 < ratio[0] <= ratio[1]):
-        raise ValueError(f"need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], "
+        raise InputError(f"need 0 < scale[0] <= scale[1] <= 1 and 0 < ratio[0] <= ratio[1], "
                          f"got scale={scale}, ratio={ratio}")
     b, h, w, _ = images.shape
     attempts = 10
@@ -219,7 +221,7 @@ def patch_correspondence(transforms1: CropTransform, transforms2: CropTransform,
     """
     for name, size in (("out_size1", out_size1), ("out_size2", out_size2)):
         if size % patch_size:
-            raise ValueError(f"{name}={size} must be a multiple of patch_size={patch_size}")
+            raise InputError(f"{name}={size} must be a multiple of patch_size={patch_size}")
     n1, n2 = out_size1 // patch_size, out_size2 // patch_size
     c = (np.arange(n1) + 0.5) * patch_size
     yx1 = np.stack(np.meshgrid(c, c, indexing="ij"), axis=-1).reshape(-1, 2)  # [P1, 2]

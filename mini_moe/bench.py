@@ -39,7 +39,9 @@ from flax import nnx
 import mini_moe
 from mini_moe import layer as layer_lib
 from mini_moe import routers as routers_lib
-from mini_moe.model import DenseMlp
+from mini_moe import routing as routing_lib
+from mini_moe.model import DenseMlp, MoeLayer
+from mini_moe.validate import InputError
 
 #: The shapes of the layer benchmark by name, each (images per group, tokens per image, groups, D, H, E).
 #: ``quick`` is the book's quick model, ``b32`` a B/32-like group and ``b16`` a B/16-like one.
@@ -57,7 +59,7 @@ def committed(name: str) -> dict:
     if not path.is_file():
         available = sorted(p.name for p in (importlib.resources.files("mini_moe") / "results").iterdir()
                            if p.name.endswith(".json"))
-        raise ValueError(f"No committed results file {name!r}; available: {', '.join(available)}.")
+        raise InputError(f"No committed results file {name!r}; available: {', '.join(available)}.")
     return json.loads(path.read_text())
 
 
@@ -116,25 +118,16 @@ def _fwd_bwd(module_fn):
     return step
 
 
-class _MoeLayer(nnx.Module):
-    def __init__(self, router, experts):
-        self.router, self.experts = router, experts
-
-    def __call__(self, x):
-        out = self.router(x)
-        return layer_lib.moe(x, out.routing, self.experts) + out.aux_loss
-
-
 def _router_and_tokens(name: str, shape: str, rngs: nnx.Rngs, **router_kwargs):
     """Router ``name`` at the ``LAYER_SHAPES[shape]`` sizes and its input ``[G, T, D]``:
     ``groups`` routing groups of ``images x tokens`` tokens (Soft MoE: one group per image,
-    S = round(tokens / E) slots)."""
+    S = C(tokens, E, 1) slots, :func:`mini_moe.routing.capacity`)."""
     if shape not in LAYER_SHAPES:
-        raise ValueError(f"shape must be one of {sorted(LAYER_SHAPES)}, got {shape!r}.")
+        raise InputError(f"shape must be one of {sorted(LAYER_SHAPES)}, got {shape!r}.")
     per_group, tokens, groups, dim, _, experts = LAYER_SHAPES[shape]
     spec = routers_lib.spec(name)
     if spec.allocation == "soft":
-        router_kwargs.setdefault("slots_per_expert", max(1, round(tokens / experts)))
+        router_kwargs.setdefault("slots_per_expert", routing_lib.capacity(tokens, experts, 1.0))
     router = routers_lib.make_router(name, dim, experts, rngs=rngs, **router_kwargs)
     x = jax.random.normal(jax.random.PRNGKey(0), (groups, per_group * tokens, dim))
     if spec.per_image:
@@ -148,8 +141,14 @@ def moe_layer_ms(name: str, shape: str = "quick", *, repeats: int = 20, **router
     rng = nnx.Rngs(0)
     router, x = _router_and_tokens(name, shape, rng, **router_kwargs)
     _, _, _, dim, hidden, experts = LAYER_SHAPES[shape]
-    module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
-    return time_fn(_fwd_bwd(lambda m, x: m(x)), module, x, repeats=repeats)
+    module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
+    return time_fn(_fwd_bwd(_layer_output), module, x, repeats=repeats)
+
+
+def _layer_output(layer, x):
+    """An MoE layer's output as one array: eq. (2) plus the router's auxiliary loss."""
+    y, out = layer(x)
+    return y + out.aux_loss
 
 
 def _routing_output(router, x):
@@ -206,7 +205,7 @@ def layer_benchmarks(repeats: int) -> list[dict]:
                             flops))
         # The experts alone on their E * C slots: the part no router can avoid. On a CPU the
         # E-fold larger expert weights (memory traffic) can make this alone exceed the dense MLP.
-        cap = max(1, round(per_group * tokens / experts))
+        cap = routing_lib.capacity(per_group * tokens, experts, 1.0)
         slots = jnp.ones((experts, groups * cap, dim))
         experts_ms = time_fn(_fwd_bwd(lambda m, x: m(x)), layer_lib.MlpExperts(experts, dim, hidden, rngs=rng),
                              slots, repeats=repeats)
@@ -229,8 +228,8 @@ def soft_moe_expert_benchmarks(repeats: int, total_slots: int = 256, images: int
     for experts in (8, 16, 32, 64, 128, 256):
         rng = nnx.Rngs(0)
         router = routers_lib.make_router("soft_moe", dim, experts, slots_per_expert=total_slots // experts, rngs=rng)
-        module = _MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
-        ms = time_fn(_fwd_bwd(lambda m, x: m(x)), module, x, repeats=repeats)
+        module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
+        ms = time_fn(_fwd_bwd(_layer_output), module, x, repeats=repeats)
         results.append({"experts": experts, "slots_per_expert": total_slots // experts, "ms": round(ms, 3)})
         print(f"  soft_moe E={experts:4d} S={total_slots // experts:3d} {ms:9.2f} ms", flush=True)
     base = results[0]["ms"]
@@ -250,7 +249,7 @@ def _pot_semi_dual_optimum(scores, max_nonzeros: int) -> dict:
     try:
         import ot
     except ImportError as e:  # POT is a test dependency, not a runtime one
-        raise ValueError("The sparsity_solver benchmark compares with POT: pip install -e '.[test]'.") from e
+        raise InputError("The sparsity_solver benchmark compares with POT: pip install -e '.[test]'.") from e
     import numpy as np
 
     scores = np.asarray(scores, np.float64)
@@ -340,7 +339,7 @@ PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks,
 def run(repeats: int = 20, only: str | None = None) -> dict:
     """Run the benchmarks (all, or ``only`` one part of :data:`PARTS`) and return a JSON-able dict."""
     if only is not None and only not in PARTS:
-        raise ValueError(f"only must be one of {list(PARTS)}, got {only!r}.")
+        raise InputError(f"only must be one of {list(PARTS)}, got {only!r}.")
     results = {"machine": machine(), "command": " ".join(["python -m mini_moe"] + sys.argv[1:]),
                "repeats": repeats}
     for name, fn in PARTS.items():

@@ -15,8 +15,9 @@ import os
 import jax
 
 from mini_moe import routers as routers_lib
+from mini_moe import routing as routing_lib
 from mini_moe.model import ModelConfig
-from mini_moe.validate import check_int
+from mini_moe.validate import InputError, check_int
 
 SCALES = ("quick", "full")
 
@@ -71,31 +72,36 @@ class TrainConfig:
         for name in ("batch_size", "steps", "eval_every", "eval_batch_size", "checkpoint_every"):
             check_int(name, getattr(self, name))
         if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+            raise InputError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise InputError(f"max_seconds must be > 0 (or None: no time limit), got {self.max_seconds!r}.")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
-            raise ValueError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps!r}.")
+            raise InputError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps!r}.")
         if self.mesh is not None:
             if len(self.mesh) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.mesh):
-                raise ValueError(f"mesh must be (data, expert) with integers >= 1, got {self.mesh!r}.")
+                raise InputError(f"mesh must be (data, expert) with integers >= 1, got {self.mesh!r}.")
             devices = self.mesh[0] * self.mesh[1]
             per_group = 1 if routers_lib.per_image(self.model.router) else self.model.group_images
             if self.batch_size % (per_group * devices):
-                raise ValueError(
+                raise InputError(
                     f"batch_size={self.batch_size} must be a multiple of {per_group * devices} "
                     f"(images per routing group {per_group} x {devices} devices) for mesh={self.mesh}."
                 )
+            if self.model.moe_path != "auto":
+                raise InputError(f"model moe_path={self.model.moe_path!r} applies on one device; with mesh={self.mesh} "
+                                 "the expert-parallel layer picks its own path. Leave moe_path='auto'.")
             if self.model.router is not None and self.model.num_experts % self.mesh[1]:
-                raise ValueError(f"num_experts={self.model.num_experts} must be a multiple of the mesh's "
+                raise InputError(f"num_experts={self.model.num_experts} must be a multiple of the mesh's "
                                  f"expert axis {self.mesh[1]}.")
         if self.prc and (self.model.router is None or routers_lib.per_image(self.model.router)):
-            raise ValueError(f"prc=True needs a sparse router (paper 004 uses token choice), got {self.model.router!r}.")
+            raise InputError(f"prc=True needs a sparse router (paper 004 uses token choice), got {self.model.router!r}.")
 
 
 def default_scale() -> str:
     """``MINI_MOE_SCALE`` if set, else ``"quick"`` on CPU and ``"full"`` on GPU/TPU."""
     scale = os.environ.get("MINI_MOE_SCALE") or ("quick" if jax.default_backend() == "cpu" else "full")
     if scale not in SCALES:
-        raise ValueError(f"MINI_MOE_SCALE must be one of {SCALES}, got {scale!r}.")
+        raise InputError(f"MINI_MOE_SCALE must be one of {SCALES}, got {scale!r}.")
     return scale
 
 
@@ -105,6 +111,20 @@ def default_dtype(scale: str) -> str:
     see :class:`~mini_moe.model.VisionMoE`), ``"float32"`` otherwise (the quick configuration,
     and any configuration on a CPU, where XLA has no matrix unit for bfloat16)."""
     return "bfloat16" if scale == "full" and jax.default_backend() != "cpu" else "float32"
+
+
+def _check_type(key: str, value, default) -> None:
+    """An override's value has the type of the field's default (an int is also a float; a
+    field whose default is None or a tuple takes anything its own checks accept)."""
+    if default is None or isinstance(default, (tuple, list, dict)) or callable(default):
+        return
+    expected = bool if isinstance(default, bool) else int if isinstance(default, int) else type(default)
+    ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise InputError(f"{key} must be of type {expected.__name__} (like its default {default!r}), "
+                         f"got {value!r} of type {type(value).__name__}.")
 
 
 def get_config(scale: str | None = None, *, dataset: str = "digits", router: str | None = "soft_moe",
@@ -120,9 +140,9 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
     """
     scale = default_scale() if scale is None else scale
     if scale not in SCALES:
-        raise ValueError(f"scale must be one of {SCALES}, got {scale!r}.")
+        raise InputError(f"scale must be one of {SCALES}, got {scale!r}.")
     if dataset not in _DATASET_SHAPES:
-        raise ValueError(f"Unknown dataset {dataset!r}; expected one of: {', '.join(_DATASET_SHAPES)}.")
+        raise InputError(f"Unknown dataset {dataset!r}; expected one of: {', '.join(_DATASET_SHAPES)}.")
     shape = dict(_DATASET_SHAPES[dataset])
     model_fields = dict(
         image_size=shape["image_size"], channels=shape["channels"], num_classes=shape["num_classes"],
@@ -134,7 +154,11 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
     train_fields = dict(_TRAIN_SCALE[scale], dataset=dataset)
     valid_train = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
     valid_model = {f.name for f in dataclasses.fields(ModelConfig)}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    defaults |= {"model_" + f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    defaults |= {k: v for k, v in train_fields.items()} | {"model_" + k: v for k, v in model_fields.items()}
     for key, value in overrides.items():
+        _check_type(key, value, defaults.get(key))
         if key.startswith("model_") and key[6:] in valid_model:
             if key == "model_router_kwargs" and isinstance(value, dict):
                 value = tuple(sorted(value.items()))
@@ -142,7 +166,7 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
         elif key in valid_train:
             train_fields[key] = value
         else:
-            raise ValueError(
+            raise InputError(
                 f"Unknown config field {key!r}; TrainConfig fields: {sorted(valid_train)}; "
                 f"model fields (prefix 'model_'): {sorted(valid_model)}."
             )
@@ -156,6 +180,6 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
     if router is not None and routers_lib.spec(router).allocation == "soft" and "slots_per_expert" not in kwargs:
         # Paper 000: S = round(c * T / E) slots per expert with c = 1, T tokens per image.
         patches = (model_fields["image_size"] // model_fields["patch_size"]) ** 2
-        kwargs["slots_per_expert"] = max(1, round(patches / model_fields["num_experts"]))
+        kwargs["slots_per_expert"] = routing_lib.capacity(patches, model_fields["num_experts"], 1.0)
         model_fields["router_kwargs"] = tuple(sorted(kwargs.items()))
     return TrainConfig(model=ModelConfig(**model_fields), **train_fields)

@@ -21,8 +21,7 @@ Batches (:func:`batches`): the order of an epoch depends only on ``(seed, epoch)
 run is reproducible and a resumed run continues exactly where it stopped.
 
 Augmentation with known geometry (random resized crops and the patch correspondences of
-paper 004) lives in :mod:`mini_moe.augment`; its names are still importable from here, with a
-DeprecationWarning, until version 0.3.
+paper 004) lives in :mod:`mini_moe.augment`.
 """
 
 from __future__ import annotations
@@ -35,6 +34,8 @@ import pathlib
 from typing import Iterator, Sequence
 
 import numpy as np
+
+from mini_moe.validate import DataNotFoundError, InputError, MissingPackageError
 
 __all__ = [
     "DATASETS", "Dataset", "load", "read_idx", "normalize", "batches", "num_batches",
@@ -95,9 +96,9 @@ class Dataset:
 
     def __post_init__(self):
         if self.images.ndim != 4:
-            raise ValueError(f"images must be [N, H, W, C], got shape {self.images.shape}")
+            raise InputError(f"images must be [N, H, W, C], got shape {self.images.shape}")
         if self.labels.shape != self.images.shape[:1]:
-            raise ValueError(
+            raise InputError(
                 f"labels must be [N] with N = {self.images.shape[0]}, "
                 f"got shape {self.labels.shape}")
 
@@ -142,9 +143,9 @@ def load(name: str, split: str = "train", *, data_dir: str | os.PathLike | None 
       ImportError: CIFAR needs tensorflow-datasets, which is not installed.
     """
     if name not in DATASETS:
-        raise ValueError(f"unknown dataset name {name!r}; expected one of {DATASETS}")
+        raise InputError(f"unknown dataset name {name!r}; expected one of {DATASETS}")
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected 'train' or 'test'")
+        raise InputError(f"unknown split {split!r}; expected 'train' or 'test'")
     if name == "digits":
         images, labels = _load_digits(split)
     elif name == "fashion_mnist":
@@ -200,13 +201,13 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
         data = f.read()
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
-        raise ValueError(f"{path} is not an IDX file (header {data[:4].hex()})")
+        raise InputError(f"{path} is not an IDX file (header {data[:4].hex()})")
     dtype = np.dtype(_IDX_DTYPES[data[2]])
     ndim = data[3]
     offset = 4 + 4 * ndim
     dims = tuple(int(d) for d in np.frombuffer(data, ">u4", count=ndim, offset=4))
     if len(data) - offset != math.prod(dims) * dtype.itemsize:
-        raise ValueError(f"{path}: header says shape {dims} of {dtype}, "
+        raise InputError(f"{path}: header says shape {dims} of {dtype}, "
                          f"but the file holds {len(data) - offset} data bytes")
     array = np.frombuffer(data, dtype, offset=offset).reshape(dims)
     return array.astype(dtype.newbyteorder("="))
@@ -230,14 +231,14 @@ def _load_fashion_mnist(split, data_dir) -> tuple[np.ndarray, np.ndarray]:
     if files is not None:
         images, labels = read_idx(files[0]), read_idx(files[1])
         if images.ndim != 3 or labels.shape != images.shape[:1]:
-            raise ValueError(f"{files[0]} / {files[1]}: expected images [N, H, W] and labels "
+            raise InputError(f"{files[0]} / {files[1]}: expected images [N, H, W] and labels "
                              f"[N], got {images.shape} and {labels.shape}")
         return _to_unit_float(images)[..., None], labels.astype(np.int32)
     try:
         return _load_tfds("fashion_mnist", split, data_dir)
     except (ImportError, FileNotFoundError) as e:
         cause = e.__cause__ if isinstance(e, FileNotFoundError) and e.__cause__ else e
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"{_FASHION_HINT}\n(No IDX files in {folder}; the tensorflow-datasets fallback "
             f"failed with {_short(cause)})") from e
 
@@ -246,7 +247,7 @@ def _import_tfds():
     try:
         import tensorflow_datasets as tfds
     except ImportError as e:
-        raise ImportError(f"this dataset needs tensorflow-datasets: {_TFDS_HINT}") from e
+        raise MissingPackageError(f"this dataset needs tensorflow-datasets: {_TFDS_HINT}") from e
     return tfds
 
 
@@ -262,13 +263,13 @@ def _load_tfds(name, split, data_dir) -> tuple[np.ndarray, np.ndarray]:
         source = tfds.data_source(
             name, split=split, data_dir=None if data_dir is None else os.fspath(data_dir))
     except Exception as e:  # download / preparation failures come from deep inside tfds
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"tensorflow-datasets could not provide {name!r} split {split!r} "
             f"(data_dir={data_dir or '~/tensorflow_datasets or $TFDS_DATA_DIR'}).\n"
             f"{_TFDS_PREPARE.replace('NAME', name)}\nCause: {_short(e)}") from e
     n = len(source)
     if n == 0:
-        raise FileNotFoundError(f"tensorflow-datasets returned an empty {name!r} {split!r}")
+        raise DataNotFoundError(f"tensorflow-datasets returned an empty {name!r} {split!r}")
     first = source[0]
     image0 = np.asarray(first["image"])
     images = np.empty((n, *image0.shape), np.uint8)
@@ -314,7 +315,7 @@ def normalize(images: np.ndarray, mean: np.ndarray | None = None,
     images = np.asarray(images, np.float32)
     axes = tuple(range(images.ndim - 1))
     if (mean is None) != (std is None):
-        raise ValueError("pass both mean and std, or neither")
+        raise InputError("pass both mean and std, or neither")
     if mean is None:
         mean = images.mean(axis=axes, dtype=np.float64)
         std = images.std(axis=axes, dtype=np.float64)
@@ -322,7 +323,7 @@ def normalize(images: np.ndarray, mean: np.ndarray | None = None,
     mean = np.asarray(mean, np.float32)
     std = np.asarray(std, np.float32)
     if mean.shape != (images.shape[-1],) or std.shape != (images.shape[-1],):
-        raise ValueError(f"mean and std must have shape [C] = ({images.shape[-1]},), got "
+        raise InputError(f"mean and std must have shape [C] = ({images.shape[-1]},), got "
                          f"{mean.shape} and {std.shape}")
     return (images - mean) / std, mean, std
 
@@ -359,17 +360,17 @@ def batches(data: Dataset | Sequence[np.ndarray], batch_size: int, *, seed: int,
     """
     arrays = (data.images, data.labels) if isinstance(data, Dataset) else tuple(data)
     if not arrays:
-        raise ValueError("data must be a Dataset or a non-empty tuple of arrays")
+        raise InputError("data must be a Dataset or a non-empty tuple of arrays")
     n = len(arrays[0])
     if any(len(a) != n for a in arrays):
-        raise ValueError(f"arrays must share their leading axis, got {[len(a) for a in arrays]}")
+        raise InputError(f"arrays must share their leading axis, got {[len(a) for a in arrays]}")
     if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+        raise InputError(f"batch_size must be positive, got {batch_size}")
     if drop_remainder and batch_size > n:
-        raise ValueError(f"batch_size={batch_size} > {n} examples: with drop_remainder=True "
+        raise InputError(f"batch_size={batch_size} > {n} examples: with drop_remainder=True "
                          "an epoch would be empty")
     if seed < 0 or epoch < 0 or start < 0:
-        raise ValueError(f"seed, epoch and start must be >= 0, got {seed}, {epoch}, {start}")
+        raise InputError(f"seed, epoch and start must be >= 0, got {seed}, {epoch}, {start}")
     order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
     count = num_batches(n, batch_size, drop_remainder=drop_remainder)
 
@@ -379,20 +380,3 @@ def batches(data: Dataset | Sequence[np.ndarray], batch_size: int, *, seed: int,
             yield tuple(a[index] for a in arrays)
 
     return generate()
-
-
-# Moved to mini_moe.augment in 0.2.0; kept importable from here, with a warning, for one release.
-_MOVED_TO_AUGMENT = ("CropTransform", "to_source", "from_source", "resample", "random_resized_crop",
-                     "view_resolution", "patch_correspondence")
-
-
-def __getattr__(name: str):
-    if name in _MOVED_TO_AUGMENT:
-        import warnings
-
-        from mini_moe import augment
-
-        warnings.warn(f"mini_moe.data.{name} moved to mini_moe.augment.{name} in 0.2.0; the old name goes in 0.3.",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(augment, name)
-    raise AttributeError(f"module 'mini_moe.data' has no attribute {name!r}")

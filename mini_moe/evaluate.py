@@ -37,6 +37,7 @@ from mini_moe import layer, parallel
 from mini_moe import losses as losses_lib
 from mini_moe import routers as routers_lib
 from mini_moe import routing as routing_lib
+from mini_moe.validate import InputError
 
 Array = Any
 
@@ -45,8 +46,9 @@ _MODE_ATTRIBUTES = ("deterministic", "use_running_average")  # what model.train(
 
 
 @contextlib.contextmanager
-def _eval_mode(model):
-    """Put ``model`` in eval mode for the block, then restore each module's own mode."""
+def eval_mode(model):
+    """Put ``model`` in eval mode for the block, then restore each module's own mode (whether
+    it was in train or eval mode before): ``with eval_mode(model): ...``."""
     saved = [(module, name, getattr(module, name))
              for _, module in nnx.iter_graph(model) if isinstance(module, nnx.Module)
              for name in _MODE_ATTRIBUTES if hasattr(module, name)]
@@ -80,7 +82,7 @@ def _padded_batches(model, images: np.ndarray, batch_size: int):
 
 def _collect(model, images, field, batch_size):
     out, mesh = [], parallel.model_mesh(model)
-    with _eval_mode(model):
+    with eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             out.append(np.asarray(getattr(_forward(model, batch, mesh=mesh), field)[:n]))
     return np.concatenate(out)
@@ -118,13 +120,13 @@ def few_shot_accuracy(model, train, test, *, shots: int = 10, l2: float = 1.0, s
     ridge regression onto one-hot labels in closed form and scores the test set.
     """
     if shots < 1:
-        raise ValueError(f"shots must be >= 1, got {shots}.")
+        raise InputError(f"shots must be >= 1, got {shots}.")
     rng = np.random.default_rng(seed)
     picks = []
     for c in range(train.num_classes):
         idx = np.flatnonzero(train.labels == c)
         if len(idx) < shots:
-            raise ValueError(f"class {c} has {len(idx)} training images, fewer than shots={shots}.")
+            raise InputError(f"class {c} has {len(idx)} training images, fewer than shots={shots}.")
         picks.append(rng.choice(idx, shots, replace=False))
     picks = np.concatenate(picks)
     test_images, test_labels = test.images, test.labels
@@ -152,7 +154,7 @@ def router_report(model, images: np.ndarray, *, batch_size: int = 256) -> list[d
     top-2 and the sum of the rest of each patch's expert distribution).
     """
     sums, probs, batches = None, None, 0
-    with _eval_mode(model):
+    with eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             out = _forward(model, batch)
             metrics = [{k: np.asarray(v, np.float64) for k, v in m.items()} for m in out.metrics]
@@ -182,7 +184,7 @@ def predictions_and_routing(model, images: np.ndarray, *, batch_size: int = 400)
     largest router probability (the router's own choice, before any capacity)."""
     cfg = model.cfg
     preds, layers = [], None
-    with _eval_mode(model):
+    with eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             out = _forward(model, batch, return_routing=True)
             preds.append(np.asarray(out.logits[:n]).argmax(-1))
@@ -211,14 +213,14 @@ def perturbation_path(model, image: np.ndarray, companions: np.ndarray, directio
     group = 1 if routers_lib.per_image(cfg.router) else cfg.group_images
     companions = np.asarray(companions)[: group - 1]
     if len(companions) != group - 1:
-        raise ValueError(f"companions must hold group_images - 1 = {group - 1} images, got {len(companions)}.")
+        raise InputError(f"companions must hold group_images - 1 = {group - 1} images, got {len(companions)}.")
     alphas = np.asarray(alphas, np.float32)
     points = np.asarray(image)[None] + alphas[:, None, None, None] * np.asarray(direction)[None]
     groups = np.concatenate([points[:, None], np.broadcast_to(companions, (len(alphas),) + companions.shape)], 1)
     flat = groups.reshape((-1,) + points.shape[1:]).astype(np.float32)
     per_batch = max(group, batch_size - batch_size % group)
     probs, hits = [], []
-    with _eval_mode(model):
+    with eval_mode(model):
         for start in range(0, len(flat), per_batch):
             out = _forward(model, jnp.asarray(flat[start:start + per_batch]), return_routing=True)
             probs.append(np.asarray(jax.nn.softmax(out.logits[::group], axis=-1)))
@@ -238,8 +240,8 @@ def group_routing(model, images: np.ndarray, *, layer: int = -1):
     cfg = model.cfg
     group = 1 if routers_lib.per_image(cfg.router) else cfg.group_images
     if len(images) < group:
-        raise ValueError(f"images must hold at least one routing group ({group} images), got {len(images)}.")
-    with _eval_mode(model):
+        raise InputError(f"images must hold at least one routing group ({group} images), got {len(images)}.")
+    with eval_mode(model):
         rt = _forward(model, jnp.asarray(images[:group]), return_routing=True).routings[layer]
     return routing_lib.Routing(np.asarray(rt.dispatch[0]), np.asarray(rt.combine[0]), sparse=rt.sparse)
 
@@ -256,7 +258,7 @@ def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[n
     """
     cfg = model.cfg
     batches = []  # per batch, per MoE layer: [n, P]
-    with _eval_mode(model):
+    with eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             out = _forward(model, batch, return_routing=True)
             per_layer = []
@@ -341,15 +343,15 @@ def group_dependence(router, experts, images: Array, *, group_images: int, trial
     """
     images = jnp.asarray(images)
     if images.ndim != 3:
-        raise ValueError(f"images must be token arrays [N, P, D], got shape {images.shape}.")
+        raise InputError(f"images must be token arrays [N, P, D], got shape {images.shape}.")
     if not (isinstance(group_images, int) and 1 <= group_images <= images.shape[0]):
-        raise ValueError(f"group_images must be an int in [1, N={images.shape[0]}], got {group_images!r}.")
+        raise InputError(f"group_images must be an int in [1, N={images.shape[0]}], got {group_images!r}.")
     if not (isinstance(trials, int) and trials >= 2):
-        raise ValueError(f"trials must be an int >= 2, got {trials!r}.")
+        raise InputError(f"trials must be an int >= 2, got {trials!r}.")
     rng = np.random.default_rng(seed)
     num_patches = images.shape[1]
     outputs = []
-    with _eval_mode(router):
+    with eval_mode(router):
         for _ in range(trials):
             members = rng.choice(np.arange(1, images.shape[0]), group_images - 1, replace=False)
             position = int(rng.integers(group_images))  # where image 0 sits in the group
@@ -367,7 +369,7 @@ def expert_maps(model, images: np.ndarray) -> np.ndarray:
     """``int [L, B, h, w]``: per MoE layer and patch, the expert with the largest combine
     weight, or -1 where the patch reached no expert (dropped)."""
     cfg = model.cfg
-    with _eval_mode(model):
+    with eval_mode(model):
         out = _forward(model, jnp.asarray(images), return_routing=True)
     b, side = len(images), cfg.image_size // cfg.patch_size
     maps = []
@@ -419,7 +421,7 @@ def _view_pairs(model, images: np.ndarray, *, seed: int, batch_size: int, crop: 
     ``index, valid [n, P]`` (see :func:`mini_moe.augment.patch_correspondence`)."""
     cfg = model.cfg
     rng = np.random.default_rng(seed)
-    with _eval_mode(model):
+    with eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             batch = np.asarray(batch)
             v1, t1 = augment.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)

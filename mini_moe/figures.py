@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from mini_moe.validate import InputError
+
 Array = Any
 
 
@@ -37,7 +39,7 @@ def routing_heatmaps(routing, title: str = "", *, annotate=("combine",)):
     plt = _plt()
     tensors = {"dispatch": np.asarray(routing.dispatch), "combine": np.asarray(routing.combine)}
     if tensors["dispatch"].ndim != 3:
-        raise ValueError(f"routing tensors must be [T, E, C] (one group), got {tensors['dispatch'].shape}.")
+        raise InputError(f"routing tensors must be [T, E, C] (one group), got {tensors['dispatch'].shape}.")
     num_tokens, num_experts, cap = tensors["dispatch"].shape
     dropped = ~(tensors["dispatch"] > 0).any(axis=(1, 2))
     small = num_tokens <= 40 and num_experts * cap <= 40  # room for tick labels and numbers
@@ -92,7 +94,7 @@ def layer_diagram(routing, title: str = "", *, expert_names=None):
 
     dispatch, combine = np.asarray(routing.dispatch, float), np.asarray(routing.combine, float)
     if dispatch.ndim != 3:
-        raise ValueError(f"routing tensors must be [T, E, C] (one group), got {dispatch.shape}.")
+        raise InputError(f"routing tensors must be [T, E, C] (one group), got {dispatch.shape}.")
     num_tokens, num_experts, cap = dispatch.shape
     slots = num_experts * cap
     height = max(num_tokens, slots + num_experts - 1)

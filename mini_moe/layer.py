@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from mini_moe.routing import Routing
+from mini_moe.validate import InputError
 
 Array = Any
 
@@ -48,17 +49,17 @@ def moe(x: Array, routing: Routing, experts: Callable[[Array], Array], *, path: 
       ``[..., T, D_out]``.
     """
     if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}.")
+        raise InputError(f"path must be one of {PATHS}, got {path!r}.")
     x_shape, r_shape = np.shape(x), np.shape(routing.dispatch)
     if len(x_shape) < 2 or len(r_shape) != len(x_shape) + 1 or r_shape[:-2] != x_shape[:-1]:
-        raise ValueError(
+        raise InputError(
             f"routing tensors must have shape [..., T, E, C] matching x [..., T, D] = {x_shape}; "
             f"got dispatch of shape {r_shape}."
         )
     if path == "auto":
         path = "gather" if routing.sparse else "einsum"
     if path == "gather" and not routing.sparse:
-        raise ValueError("path='gather' needs a sparse routing (one token per slot); use 'einsum'.")
+        raise InputError("path='gather' needs a sparse routing (one token per slot); use 'einsum'.")
 
     lead = x_shape[:-2]
     num_experts, cap = r_shape[-2:]
@@ -118,10 +119,10 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
     """
     num_experts = experts.w1.shape[0]
     if np.shape(scores)[:-1] != np.shape(x)[:-1] or np.shape(scores)[-1] != num_experts:
-        raise ValueError(f"scores must have shape {tuple(np.shape(x)[:-1]) + (num_experts,)} "
+        raise InputError(f"scores must have shape {tuple(np.shape(x)[:-1]) + (num_experts,)} "
                          f"(x's leading axes, E={num_experts}), got {np.shape(scores)}.")
     if not (isinstance(k, int) and 1 <= k <= num_experts):
-        raise ValueError(f"k must be an int in [1, E={num_experts}], got {k!r}.")
+        raise InputError(f"k must be an int in [1, E={num_experts}], got {k!r}.")
     weights = scores if combine_scores is None else combine_scores
     tokens = x.reshape(-1, x.shape[-1])  # [N, D]
     _, picks = jax.lax.top_k(scores.reshape(-1, num_experts), k)  # [N, k]
@@ -182,7 +183,7 @@ class MlpExperts(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         if x.ndim != 3 or x.shape[0] != self.w1.shape[0] or x.shape[-1] != self.w1.shape[1]:
-            raise ValueError(f"experts expect inputs [E={self.w1.shape[0]}, N, D={self.w1.shape[1]}], got {x.shape}.")
+            raise InputError(f"experts expect inputs [E={self.w1.shape[0]}, N, D={self.w1.shape[1]}], got {x.shape}.")
         w1, b1, w2, b2 = self._weights(x.dtype)
         h = jax.nn.gelu(jnp.einsum("end,edh->enh", x, w1) + b1)
         return jnp.einsum("enh,ehd->end", h, w2) + b2

@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from mini_moe.validate import InputError
+
 Array = Any
 
 
@@ -57,7 +59,7 @@ def load_loss(logits: Array, noisy_logits: Array, *, k: int, noise_std: float) -
       Scalar, averaged over leading (group) axes.
     """
     if not noise_std > 0:
-        raise ValueError(f"noise_std must be > 0 for the load loss, got {noise_std!r}.")
+        raise InputError(f"noise_std must be > 0 for the load loss, got {noise_std!r}.")
     num_experts = logits.shape[-1]
     threshold = jax.lax.top_k(noisy_logits, k)[0][..., -1:]  # [..., T, 1]
     sigma = noise_std / num_experts
@@ -65,7 +67,10 @@ def load_loss(logits: Array, noisy_logits: Array, *, k: int, noise_std: float) -
     return jnp.mean(cv_squared(load))
 
 
-def switch_loss(probs: Array, *, k: int = 1) -> Array:
+BALANCE_SCOPES = ("group", "batch")
+
+
+def switch_loss(probs: Array, *, k: int = 1, scope: str = "group") -> Array:
     """Switch Transformer / GShard balancing loss ``E * sum_i f_i P_i``.
 
     ``f_i`` is the fraction of the group's top-k picks that go to expert i (the argmax picks,
@@ -78,17 +83,44 @@ def switch_loss(probs: Array, *, k: int = 1) -> Array:
     Args:
       probs: routing probabilities ``[..., T, E]`` (rows sum to 1; the ones used to route).
       k: experts per token.
+      scope: ``"group"``: ``f`` and ``P`` per routing group, the loss averaged over groups;
+        ``"batch"``: over every token of the batch at once (Qwen's global-batch balance, arXiv
+        2501.11873): a group may then be unbalanced as long as the batch is. Inside ``jit`` over
+        a sharded batch the means are global (XLA adds the cross-device sums).
 
     Returns:
       Scalar, averaged over leading (group) axes.
     """
     num_experts = probs.shape[-1]
     if not 1 <= k <= num_experts:
-        raise ValueError(f"k must be in [1, E={num_experts}], got k={k!r}.")
+        raise InputError(f"k must be in [1, E={num_experts}], got k={k!r}.")
+    if scope not in BALANCE_SCOPES:
+        raise InputError(f"scope must be one of {BALANCE_SCOPES}, got {scope!r}.")
+    if scope == "batch":  # one group of every token (Qwen's global-batch balance)
+        probs = probs.reshape(1, -1, num_experts)
     picks = jax.lax.top_k(probs, k)[1]  # [..., T, k]
     fraction = jax.nn.one_hot(picks, num_experts, dtype=probs.dtype).sum(-2).mean(-2) / k  # [..., E]
     mean_prob = probs.mean(-2)  # [..., E]
     return jnp.mean(num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob, axis=-1))
+
+
+def sequence_balance_loss(scores: Array, chosen: Array) -> Array:
+    """DeepSeek-V3's complementary sequence-wise balance loss (arXiv 2412.19437, eq. 17-20)
+    without its weight alpha: ``sum_i f_i P_i`` per group, averaged over groups.
+
+    ``f_i = E / (k T) * #{t : expert i among token t's k picks}`` and ``P_i = mean_t s'[t, i]``
+    with ``s' = scores / sum_j scores[t, j]`` (the affinities normalised over all experts).
+    Uniform picks give 1; the gradient flows through ``P`` only.
+
+    Args:
+      scores: ``[..., T, E]`` non-negative affinities (DeepSeek-V3: sigmoid scores).
+      chosen: ``[..., T, E]`` 0/1, each token's k picks.
+    """
+    num_experts = scores.shape[-1]
+    k = jnp.maximum(chosen.sum(-1).mean(-1), 1.0)  # [...]: picks per token
+    fraction = num_experts / k[..., None] * chosen.mean(-2)  # [..., E]
+    share = (scores / jnp.sum(scores, axis=-1, keepdims=True)).mean(-2)  # [..., E]
+    return jnp.mean(jnp.sum(jax.lax.stop_gradient(fraction) * share, axis=-1))
 
 
 def z_loss(logits: Array) -> Array:
@@ -141,9 +173,9 @@ def pairwise_router_consistency(probs1: Array, probs2: Array, index: Array, vali
       Scalar loss.
     """
     if probs1.ndim != 3 or probs2.ndim != 3 or probs1.shape[-1] != probs2.shape[-1]:
-        raise ValueError(f"probs1, probs2 must be [B, P, E] with equal E, got {probs1.shape}, {probs2.shape}.")
+        raise InputError(f"probs1, probs2 must be [B, P, E] with equal E, got {probs1.shape}, {probs2.shape}.")
     if index.shape != probs1.shape[:2] or valid.shape != probs1.shape[:2]:
-        raise ValueError(f"index and valid must have shape {probs1.shape[:2]}, got {index.shape}, {valid.shape}.")
+        raise InputError(f"index and valid must have shape {probs1.shape[:2]}, got {index.shape}, {valid.shape}.")
     num_experts = probs1.shape[-1]
     s = correspondence_matrix(probs1, probs2, index, valid)
     eye = jnp.eye(num_experts, dtype=s.dtype)

@@ -25,7 +25,7 @@ from flax import nnx
 from mini_moe import parallel
 from mini_moe import routers as routers_lib
 from mini_moe.layer import MlpExperts, moe
-from mini_moe.validate import check_int
+from mini_moe.validate import InputError, check_int
 
 Array = Any
 DTYPES = ("float32", "bfloat16")  # compute dtypes of ModelConfig.dtype
@@ -56,19 +56,19 @@ class ModelConfig:
                      "mlp_dim", "num_experts", "group_images"):
             check_int(name, getattr(self, name))
         if self.image_size % self.patch_size:
-            raise ValueError(
+            raise InputError(
                 f"image_size={self.image_size} must be divisible by patch_size={self.patch_size}."
             )
         if self.dim % self.heads:
-            raise ValueError(f"dim={self.dim} must be divisible by heads={self.heads}.")
+            raise InputError(f"dim={self.dim} must be divisible by heads={self.heads}.")
         if self.router is not None and self.router not in routers_lib.ROUTERS:
-            raise ValueError(
+            raise InputError(
                 f"Unknown router {self.router!r}; expected None (dense) or one of: "
                 f"{', '.join(sorted(routers_lib.ROUTERS))}."
             )
         self.moe_blocks()  # validates placement
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES} (the compute dtype), got {self.dtype!r}.")
+            raise InputError(f"dtype must be one of {DTYPES} (the compute dtype), got {self.dtype!r}.")
 
     @property
     def num_patches(self) -> int:
@@ -82,7 +82,7 @@ class ModelConfig:
             return tuple(range(1, self.depth, 2))
         match = re.fullmatch(r"last(\d+)", self.placement)
         if not match or not 1 <= int(match.group(1)) <= self.depth:
-            raise ValueError(
+            raise InputError(
                 f"placement must be 'every2', 'none' or 'lastN' with 1 <= N <= depth={self.depth}, "
                 f"got {self.placement!r}."
             )
@@ -115,13 +115,46 @@ def patchify(images: Array, patch_size: int) -> Array:
     """``[B, H, W, C]`` -> ``[B, (H/p)*(W/p), p*p*C]``, patches in row-major order."""
     b, h, w, c = images.shape
     if h % patch_size or w % patch_size:
-        raise ValueError(f"image size {h}x{w} must be divisible by patch_size={patch_size}.")
+        raise InputError(f"image size {h}x{w} must be divisible by patch_size={patch_size}.")
     x = images.reshape(b, h // patch_size, patch_size, w // patch_size, patch_size, c)
     return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, (h // patch_size) * (w // patch_size), -1)
 
 
-class MoeMlp(nnx.Module):
-    """An MoE layer in place of a Transformer MLP: router + experts + eq. (2).
+class MoeLayer(nnx.Module):
+    """The MoE layer of eq. (2), the one the whole package uses (the model, the benchmarks and
+    the controlled experiment of :mod:`mini_moe.subtasks`): a router, experts and the layer.
+
+    ``layer(x [G, T, D], mesh=None) -> (y [G, T, D], RouterOutput)``: every group of T tokens
+    is routed on its own. The router runs in float32 whatever the compute dtype (logits,
+    softmax, transport plans and auxiliary losses); its dispatch and combine tensors are cast
+    to the tokens' dtype where eq. (2) uses them, and the experts compute in that dtype.
+
+    Args:
+      router: a :class:`~mini_moe.routers.Router`.
+      experts: expert inputs ``[E, N, D]`` -> outputs (:class:`~mini_moe.layer.MlpExperts`).
+      path: how eq. (2) is computed on one device (:func:`~mini_moe.layer.moe`).
+
+    With a ``mesh`` (:func:`mini_moe.parallel.make_mesh`) the experts run split over its
+    ``"expert"`` axis and tokens travel by ``all_to_all``
+    (:func:`mini_moe.parallel.expert_parallel_moe`, which picks its own path: gather for sparse
+    routings, einsum for soft ones), so a ``path`` other than ``"auto"`` is refused there.
+    """
+
+    def __init__(self, router: routers_lib.Router, experts, *, path: str = "auto"):
+        self.router, self.experts, self.path = router, experts, path
+
+    def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
+        out = self.router(x.astype(jnp.float32))
+        if mesh is None:
+            return moe(x, out.routing, self.experts, path=self.path), out
+        if self.path != "auto":
+            raise InputError(f"moe_path={self.path!r} applies on one device; with a mesh the expert-parallel "
+                             "layer picks its own path. Use moe_path='auto' with a mesh.")
+        return parallel.expert_parallel_moe(x, out.routing, self.experts, mesh), out
+
+
+class MoeMlp(MoeLayer):
+    """An MoE layer in place of a Transformer MLP: :class:`MoeLayer` on routing groups.
 
     Regroups the ``[B, N, D]`` tokens of a batch into routing groups first: one image
     per group for Soft MoE, ``group_images`` images per group for sparse routers.
@@ -129,35 +162,20 @@ class MoeMlp(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         kwargs = dict(cfg.router_kwargs)
-        self.router = routers_lib.make_router(cfg.router, cfg.dim, cfg.num_experts, rngs=rngs, **kwargs)
-        self.experts = MlpExperts(cfg.num_experts, cfg.dim, cfg.mlp_dim, rngs=rngs)
-        self.per_image = self.router.per_image
+        router = routers_lib.make_router(cfg.router, cfg.dim, cfg.num_experts, rngs=rngs, **kwargs)
+        super().__init__(router, MlpExperts(cfg.num_experts, cfg.dim, cfg.mlp_dim, rngs=rngs), path=cfg.moe_path)
         self.group_images = cfg.group_images
-        self.path = cfg.moe_path
 
     def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
-        """``x [B, N, D]`` -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``).
-
-        With a ``mesh`` (:func:`mini_moe.parallel.make_mesh`), the experts run split over its
-        ``"expert"`` axis and tokens travel by ``all_to_all``
-        (:func:`mini_moe.parallel.expert_parallel_moe`); without one, on the devices the arrays
-        are on."""
+        """``x [B, N, D]`` -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``)."""
         b, n, d = x.shape
-        per_group = 1 if self.per_image else min(self.group_images, b)
+        per_group = 1 if self.router.per_image else min(self.group_images, b)
         if b % per_group:
-            raise ValueError(
+            raise InputError(
                 f"batch size {b} must be a multiple of group_images={per_group} for sparse routers "
                 "(pad the batch, or change group_images)."
             )
-        groups = x.reshape(b // per_group, per_group * n, d)
-        # The router runs in float32 whatever the compute dtype (logits, softmax, transport plans
-        # and auxiliary losses); its dispatch and combine tensors are cast to the tokens' dtype
-        # where eq. (2) uses them, and the experts compute in that dtype.
-        out = self.router(groups.astype(jnp.float32))
-        if mesh is not None:
-            y = parallel.expert_parallel_moe(groups, out.routing, self.experts, mesh)
-        else:
-            y = moe(groups, out.routing, self.experts, path=self.path)
+        y, out = super().__call__(x.reshape(b // per_group, per_group * n, d), mesh)
         return y.reshape(b, n, d), out.replace(probs=out.probs.reshape(b, n, -1))
 
 
@@ -221,7 +239,7 @@ class VisionMoE(nnx.Module):
         cfg = self.cfg
         shape = np.shape(images)
         if len(shape) != 4 or shape[1:] != (cfg.image_size, cfg.image_size, cfg.channels):
-            raise ValueError(
+            raise InputError(
                 f"images must have shape [B, {cfg.image_size}, {cfg.image_size}, {cfg.channels}], got {shape}."
             )
         dtype = jnp.dtype(cfg.dtype)

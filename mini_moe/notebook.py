@@ -15,6 +15,8 @@ import numbers
 
 import numpy as np
 
+from mini_moe.validate import InputError
+
 __all__ = ["glue", "listing"]
 
 
@@ -29,7 +31,7 @@ def _plain(value):
     array = np.asarray(value)
     if array.ndim == 0 and array.dtype.kind in "biuf":
         return array.item()
-    raise ValueError(
+    raise InputError(
         f"glue: value must be a number or a string to insert in the prose, got {type(value).__name__}; "
         "format lists and tables into a string first."
     )
@@ -46,7 +48,7 @@ def glue(name: str, value, *, fmt: str | None = None):
       fmt: when given, also used for the printed fallback (for example ``".1%"``).
     """
     if not isinstance(name, str) or not name.isidentifier():
-        raise ValueError(f"glue: name must be an identifier such as 'ch02_dropped', got {name!r}")
+        raise InputError(f"glue: name must be an identifier such as 'ch02_dropped', got {name!r}")
     plain = _plain(value)
     try:
         from myst_nb import glue as myst_glue

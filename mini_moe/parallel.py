@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mini_moe.layer import EXPERT_AXIS, gather_slots, scatter_slots
 from mini_moe.routing import Routing
-from mini_moe.validate import check_int
+from mini_moe.validate import InputError, check_int
 
 Array = Any
 AXES = ("data", EXPERT_AXIS)
@@ -54,7 +54,7 @@ def make_mesh(data: int, expert: int, devices=None) -> Mesh:
     check_int("expert", expert)
     devices = jax.devices() if devices is None else list(devices)
     if data * expert > len(devices):
-        raise ValueError(
+        raise InputError(
             f"a {data}x{expert} mesh needs {data * expert} devices, found {len(devices)}. On a CPU, set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={data * expert} before importing JAX."
         )
@@ -76,13 +76,13 @@ def expert_parallel_moe(x: Array, routing: Routing, experts: nnx.Module, mesh: M
     """
     groups = np.shape(x)[0]
     if groups % mesh.size:
-        raise ValueError(
+        raise InputError(
             f"the number of routing groups ({groups}) must be a multiple of the number of devices "
             f"({mesh.size}); use a batch of a multiple of {mesh.size} groups."
         )
     num_experts = np.shape(routing.dispatch)[-2]
     if num_experts % mesh.shape[EXPERT_AXIS]:
-        raise ValueError(
+        raise InputError(
             f"num_experts={num_experts} must be a multiple of the mesh's expert axis ({mesh.shape[EXPERT_AXIS]})."
         )
     graphdef, state = nnx.split(experts)
@@ -116,7 +116,7 @@ def state_shardings(tree, mesh: Mesh):
     for path, (leaf, spec) in _annotated_leaves(tree, specs):
         for size, axis in zip(np.shape(leaf), spec):
             if axis is not None and size % mesh.shape[axis]:
-                raise ValueError(
+                raise InputError(
                     f"{'/'.join(map(str, path))} has {size} entries along its {axis!r} axis, which must be a "
                     f"multiple of the mesh's {axis!r} axis ({mesh.shape[axis]}): choose num_experts accordingly."
                 )

@@ -45,7 +45,6 @@ is not ``deterministic`` (``model.train()``), and never under ``model.eval()``.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -55,7 +54,7 @@ import numpy as np
 from flax import nnx
 
 from mini_moe import losses, routing, transport
-from mini_moe.validate import check_int
+from mini_moe.validate import InputError, check_int
 
 Array = Any
 
@@ -146,6 +145,9 @@ class NoisySoftmax(Affinity):
         ``False``; shows the collapse the losses prevent).
       z_loss: weight of the router z-loss (ST-MoE) inside the auxiliary loss, relative to the
         balancing term (ST-MoE uses 1e-3 against 1e-2, i.e. 0.1); 0 turns it off.
+      balance_scope: where the Switch loss counts its frequencies: ``"group"`` (each routing
+        group) or ``"batch"`` (the whole batch; Qwen's global-batch balance,
+        :func:`mini_moe.losses.switch_loss`).
 
     Every loss is also reported in the metrics, whichever of them is trained. The load loss
     and the Switch loss count the allocation's k experts per token.
@@ -153,18 +155,21 @@ class NoisySoftmax(Affinity):
 
     BALANCE_LOSSES = ("importance_load", "switch", "none")
 
-    def __init__(self, dim, num_experts, *, noise_std=1.0, balance_loss=True, z_loss=0.0, deterministic=False,
-                 rngs: nnx.Rngs):
+    def __init__(self, dim, num_experts, *, noise_std=1.0, balance_loss=True, z_loss=0.0, balance_scope="group",
+                 deterministic=False, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
+        if balance_scope not in losses.BALANCE_SCOPES:
+            raise InputError(f"balance_scope must be one of {losses.BALANCE_SCOPES}, got {balance_scope!r}.")
+        self.balance_scope = balance_scope
         if noise_std < 0:
-            raise ValueError(f"noise_std must be >= 0, got {noise_std!r}.")
+            raise InputError(f"noise_std must be >= 0, got {noise_std!r}.")
         self.noise_std = float(noise_std)
         if isinstance(balance_loss, bool):
             balance_loss = "importance_load" if balance_loss else "none"
         if balance_loss not in self.BALANCE_LOSSES:
-            raise ValueError(f"balance_loss must be one of {self.BALANCE_LOSSES} (or True/False), got {balance_loss!r}.")
+            raise InputError(f"balance_loss must be one of {self.BALANCE_LOSSES} (or True/False), got {balance_loss!r}.")
         if not z_loss >= 0:
-            raise ValueError(f"z_loss must be >= 0, got {z_loss!r}.")
+            raise InputError(f"z_loss must be >= 0, got {z_loss!r}.")
         self.balance_loss, self.z_loss = balance_loss, float(z_loss)
         self.deterministic = deterministic
         self.rngs = rngs["noise"].fork()
@@ -179,12 +184,97 @@ class NoisySoftmax(Affinity):
         importance = losses.importance_loss(logits)
         load = (losses.load_loss(logits, noisy, k=budget.k, noise_std=self.noise_std)
                 if self.noise_std > 0 else importance)
-        switch = losses.switch_loss(probs, k=budget.k)
+        switch = losses.switch_loss(probs, k=budget.k, scope=self.balance_scope)
         z = losses.z_loss(logits)
         aux = {"importance_load": (importance + load) / 2, "switch": switch, "none": 0.0}[self.balance_loss]
         aux = aux + self.z_loss * z
         metrics = dict(importance_loss=importance, load_loss=load, switch_loss=switch, z_loss=z)
         return Affinities(probs, probs=probs, aux_loss=aux, metrics=metrics)
+
+
+class ExpertBias(nnx.Variable):
+    """The per-expert bias of auxiliary-loss-free balancing: a variable of its own type, not an
+    ``nnx.Param``, so no gradient reaches it and the optimizer (``wrt=nnx.Param``) and its weight
+    decay never touch it. The router updates it itself in training mode; checkpoints save it
+    with the rest of the model's state."""
+
+
+class SigmoidGates(Affinity):
+    """DeepSeek-V3's affinity (arXiv 2412.19437, Sec. 2.1.2; Wang et al. 2024, arXiv 2408.15664):
+    sigmoid scores ``s = sigmoid(XW)``; each token's k experts are its top k of ``s + b``, with a
+    per-expert bias ``b`` (:class:`ExpertBias`) that balances the load without an auxiliary loss;
+    the gate values are the *unbiased* scores of the chosen experts, normalised over the k.
+
+    In training mode every call updates the bias from the load of the whole batch it routed
+    (all groups): ``b_e += bias_rate * sign(mean load - load_e)``, so an overloaded expert
+    becomes less attractive for the next step. It is a dual ascent step on the constraint "every
+    expert gets T k / E picks", the balance constraint Sinkhorn and Expert Choice enforce exactly.
+
+    Args:
+      bias_rate: u, the bias update speed (DeepSeek-V3: 1e-3).
+      seq_balance: weight alpha of the complementary sequence-wise balance loss
+        (:func:`mini_moe.losses.sequence_balance_loss`, one sequence = one routing group;
+        DeepSeek-V3: 1e-4); 0 turns it off.
+      num_groups, top_groups: group-limited routing (DeepSeek-V2/V3): the E experts form
+        ``num_groups`` equal groups (devices, in a deployment), a group scores the sum of its
+        two highest biased scores (its highest when it holds one expert), each token keeps its
+        ``top_groups`` best groups and picks its k experts inside them. ``num_groups=1``: off.
+
+    Metrics: ``bias_spread`` (max - min of b) and ``sequence_balance_loss``.
+    """
+
+    def __init__(self, dim, num_experts, *, bias_rate=1e-3, seq_balance=0.0, num_groups=1, top_groups=1,
+                 deterministic=False, rngs: nnx.Rngs):
+        super().__init__(dim, num_experts, rngs=rngs)
+        if not bias_rate >= 0:
+            raise InputError(f"bias_rate must be >= 0, got {bias_rate!r}.")
+        if not seq_balance >= 0:
+            raise InputError(f"seq_balance must be >= 0, got {seq_balance!r}.")
+        check_int("num_groups", num_groups)
+        check_int("top_groups", top_groups)
+        if num_experts % num_groups or top_groups > num_groups:
+            raise InputError(f"num_groups must divide num_experts={num_experts} and top_groups <= num_groups, "
+                             f"got num_groups={num_groups}, top_groups={top_groups}.")
+        self.bias_rate, self.seq_balance = float(bias_rate), float(seq_balance)
+        self.num_groups, self.top_groups = num_groups, top_groups
+        self.deterministic = deterministic
+        self.bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32))
+
+    def check(self, k: int) -> None:
+        """k picks must fit inside the kept groups."""
+        room = self.top_groups * self.num_experts // self.num_groups
+        if k > room:
+            raise InputError(f"k={k} picks do not fit in top_groups={self.top_groups} groups of "
+                             f"{self.num_experts // self.num_groups} experts; raise top_groups or lower k.")
+
+    def _limit_groups(self, biased: Array) -> Array:
+        """``biased`` with the experts outside each token's ``top_groups`` best groups at -inf."""
+        if self.num_groups == 1:
+            return biased
+        size = self.num_experts // self.num_groups
+        grouped = biased.reshape(*biased.shape[:-1], self.num_groups, size)  # [..., T, G, E/G]
+        group_score = jax.lax.top_k(grouped, min(2, size))[0].sum(-1)  # [..., T, G]
+        keep = jax.nn.one_hot(jax.lax.top_k(group_score, self.top_groups)[1], self.num_groups).sum(-2) > 0
+        return jnp.where(jnp.repeat(keep, size, axis=-1), biased, -jnp.inf)
+
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
+        self.check(budget.k)
+        scores = jax.nn.sigmoid(self.logits(x))  # [..., T, E]
+        selection = self._limit_groups(scores + self.bias[...])
+        picks = jax.lax.top_k(selection, budget.k)[1]
+        chosen = jax.nn.one_hot(picks, self.num_experts, dtype=scores.dtype).sum(-2)  # [..., T, E]: 0/1
+        gates = scores * chosen
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+        if not self.deterministic and self.bias_rate > 0:
+            load = chosen.reshape(-1, self.num_experts).sum(0)  # picks per expert, whole batch
+            self.bias[...] = self.bias[...] + self.bias_rate * jnp.sign(load.mean() - load)
+        balance = losses.sequence_balance_loss(scores, chosen)
+        metrics = dict(sequence_balance_loss=balance, bias_spread=jnp.max(self.bias[...]) - jnp.min(self.bias[...]))
+        # The allocation ranks the biased (group-limited) scores, which picks the same k experts,
+        # and takes its combine weights from the normalised gates.
+        return Affinities(jnp.where(jnp.isfinite(selection), selection, -1.0), combine=gates,
+                          probs=scores / jnp.sum(scores, axis=-1, keepdims=True),
+                          aux_loss=self.seq_balance * balance, metrics=metrics)
 
 
 class SinkhornPlan(Affinity):
@@ -200,7 +290,7 @@ class SinkhornPlan(Affinity):
         super().__init__(dim, num_experts, rngs=rngs)
         check_int("num_iters", num_iters)
         if not epsilon > 0:
-            raise ValueError(f"epsilon must be > 0, got {epsilon!r}.")
+            raise InputError(f"epsilon must be > 0, got {epsilon!r}.")
         self.num_iters, self.epsilon = num_iters, float(epsilon)
         self.softmax_combine = bool(softmax_combine)
 
@@ -309,13 +399,13 @@ class TokenChoice:
         check_int("k", self.k)
         factor = float(self.k if self.capacity_factor is None else self.capacity_factor)
         if not factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
+            raise InputError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
         object.__setattr__(self, "capacity_factor", factor)
         object.__setattr__(self, "batch_priority", bool(self.batch_priority))
 
     def check(self, num_experts: int) -> None:
         if self.k > num_experts:
-            raise ValueError(f"k must be <= num_experts={num_experts}, got k={self.k}.")
+            raise InputError(f"k must be <= num_experts={num_experts}, got k={self.k}.")
 
     def budget(self, num_tokens: int, num_experts: int) -> Budget:
         return Budget(self.k, routing.capacity(num_tokens, num_experts, self.capacity_factor))
@@ -335,7 +425,7 @@ class ExpertChoice:
 
     def __post_init__(self):
         if not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
+            raise InputError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
         object.__setattr__(self, "capacity_factor", float(self.capacity_factor))
 
     def check(self, num_experts: int) -> None:
@@ -368,7 +458,7 @@ class SoftRouting:
 
     def __post_init__(self):
         if self.ablation not in SOFT_MOE_ABLATIONS:
-            raise ValueError(f"ablation must be one of {SOFT_MOE_ABLATIONS}, got {self.ablation!r}.")
+            raise InputError(f"ablation must be one of {SOFT_MOE_ABLATIONS}, got {self.ablation!r}.")
 
     def check(self, num_experts: int) -> None:
         pass
@@ -381,7 +471,7 @@ class SoftRouting:
         num_tokens, shape = logits.shape[-3], logits.shape
         if self.ablation == "identity":
             if shape[-2] * shape[-1] != num_tokens:
-                raise ValueError(
+                raise InputError(
                     f"identity routing needs num_experts * slots_per_expert == T={num_tokens}, "
                     f"got {shape[-2]} * {shape[-1]}."
                 )
@@ -431,7 +521,7 @@ class Router(nnx.Module):
     def _tokens(self, x):
         shape = np.shape(x)
         if len(shape) < 2 or shape[-1] != self.dim:
-            raise ValueError(f"x must have shape [..., T, D={self.dim}], got {shape}.")
+            raise InputError(f"x must have shape [..., T, D={self.dim}], got {shape}.")
         return x
 
     def __call__(self, x: Array) -> RouterOutput:
@@ -448,6 +538,7 @@ class Router(nnx.Module):
 # ---------------------------------------------------------------------------- the registry
 
 ALLOCATIONS = ("token", "expert", "soft")
+ALLOCATION_CLASSES = {"token": TokenChoice, "expert": ExpertChoice, "soft": SoftRouting}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,14 +550,18 @@ class RouterSpec:
       allocation: how a capacity factor c reaches it: ``"token"`` (options ``k`` and
         ``capacity_factor``), ``"expert"`` (``capacity_factor``) or ``"soft"``
         (``slots_per_expert``).
-      per_image: it routes the tokens of each image on their own (Soft MoE).
       placement: the MoE placement :func:`mini_moe.config.get_config` gives it by default.
     """
 
     build: Callable[..., Router]
     allocation: str
-    per_image: bool = False
     placement: str = "every2"
+
+    @property
+    def per_image(self) -> bool:
+        """Whether it routes the tokens of each image on their own (Soft MoE): a property of
+        the allocation (``TokenChoice.per_image`` etc.), the one place that decides it."""
+        return ALLOCATION_CLASSES[self.allocation].per_image
 
     def capacity_options(self, capacity: float, *, tokens: int, num_experts: int) -> dict:
         """The options that give every expert ``C = round(c T / E)`` slots (see
@@ -482,23 +577,26 @@ class RouterSpec:
 ROUTERS: dict[str, RouterSpec] = {}
 
 
-def register(name: str, *, allocation: str, per_image: bool | None = None,
-             placement: str = "every2") -> Callable[[Callable], Callable]:
+def register(name: str, *, allocation: str, placement: str = "every2",
+             replace: bool = False) -> Callable[[Callable], Callable]:
     """Decorator adding a router builder to :data:`ROUTERS` under ``name``.
 
-    ``allocation`` is ``"token"``, ``"expert"`` or ``"soft"``; ``per_image`` defaults to
-    ``allocation == "soft"``. For example::
+    ``allocation`` is ``"token"``, ``"expert"`` or ``"soft"`` (it also decides whether the
+    router routes each image on its own, :attr:`RouterSpec.per_image`). A name that is
+    already registered is refused unless ``replace=True``. For example::
 
         @register("noisy_expert_choice", allocation="expert")
         def noisy_expert_choice(dim, num_experts, *, capacity_factor=1.0, rngs):
             return Router(NoisySoftmax(dim, num_experts, rngs=rngs), ExpertChoice(capacity_factor))
     """
     if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}.")
+        raise InputError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}.")
+    if name in ROUTERS and not replace:
+        raise InputError(f"A router is already registered as {name!r}; pick another name, or pass "
+                         f"replace=True to replace it.")
 
     def add(build):
-        ROUTERS[name] = RouterSpec(build, allocation, allocation == "soft" if per_image is None else bool(per_image),
-                                   placement)
+        ROUTERS[name] = RouterSpec(build, allocation, placement)
         return build
 
     return add
@@ -518,7 +616,7 @@ def per_image(name: str | None) -> bool:
 def spec(name: str) -> RouterSpec:
     """The :class:`RouterSpec` registered as ``name``; a clear error for an unknown name."""
     if name not in ROUTERS:
-        raise ValueError(f"Unknown router {name!r}; expected one of: {', '.join(sorted(ROUTERS))}.")
+        raise InputError(f"Unknown router {name!r}; expected one of: {', '.join(sorted(ROUTERS))}.")
     return ROUTERS[name]
 
 
@@ -527,12 +625,37 @@ def spec(name: str) -> RouterSpec:
 
 @register("softmax_token_choice", allocation="token")
 def softmax_token_choice(dim, num_experts, *, k=1, capacity_factor=None, batch_priority=False, noise_std=1.0,
-                         balance_loss=True, z_loss=0.0, deterministic=False, rngs: nnx.Rngs) -> Router:
+                         balance_loss=True, z_loss=0.0, balance_scope="group", deterministic=False,
+                         rngs: nnx.Rngs) -> Router:
     """Softmax Token Choice (paper 000, Sec. 2.1): the V-MoE router. Options: see
     :class:`NoisySoftmax` and :class:`TokenChoice`."""
     affinity = NoisySoftmax(dim, num_experts, noise_std=noise_std, balance_loss=balance_loss, z_loss=z_loss,
-                            deterministic=deterministic, rngs=rngs)
+                            balance_scope=balance_scope, deterministic=deterministic, rngs=rngs)
     return Router(affinity, TokenChoice(k, capacity_factor, batch_priority))
+
+
+@register("sigmoid_loss_free", allocation="token")
+def sigmoid_loss_free(dim, num_experts, *, k=2, capacity_factor=None, batch_priority=False, bias_rate=1e-3,
+                      seq_balance=0.0, num_groups=1, top_groups=1, deterministic=False, rngs: nnx.Rngs) -> Router:
+    """DeepSeek-V3's gating (arXiv 2412.19437, Sec. 2.1.2): sigmoid scores, top-k on scores plus
+    a balancing bias updated without an auxiliary loss, gates normalised over the k; Token
+    Choice (Algorithm 1) allocates. k = 2 by default: with k = 1 the normalised gate is always 1,
+    so the router's weights would get no gradient from the task. Options: :class:`SigmoidGates`."""
+    affinity = SigmoidGates(dim, num_experts, bias_rate=bias_rate, seq_balance=seq_balance, num_groups=num_groups,
+                            top_groups=top_groups, deterministic=deterministic, rngs=rngs)
+    affinity.check(k)
+    return Router(affinity, TokenChoice(k, capacity_factor, batch_priority))
+
+
+@register("group_limited", allocation="token")
+def group_limited(dim, num_experts, *, k=2, capacity_factor=None, batch_priority=False, bias_rate=1e-3,
+                  seq_balance=0.0, num_groups=2, top_groups=1, deterministic=False, rngs: nnx.Rngs) -> Router:
+    """Group-limited (device-limited) routing of DeepSeek-V2/V3: :func:`sigmoid_loss_free` with
+    the experts in ``num_groups`` groups, of which each token uses its ``top_groups`` best (by
+    default 2 groups, 1 kept: every token's k experts share a group)."""
+    return sigmoid_loss_free(dim, num_experts, k=k, capacity_factor=capacity_factor, batch_priority=batch_priority,
+                             bias_rate=bias_rate, seq_balance=seq_balance, num_groups=num_groups,
+                             top_groups=top_groups, deterministic=deterministic, rngs=rngs)
 
 
 @register("sinkhorn_token_choice", allocation="token")
@@ -584,22 +707,3 @@ def soft_moe(dim, num_experts, *, slots_per_expert=1, normalize=True, ablation="
     allocation = SoftRouting(ablation)
     return Router(SlotLogits(dim, num_experts, slots_per_expert=slots_per_expert, normalize=normalize, rngs=rngs),
                   allocation)
-
-
-# ------------------------------------------------- names of release 0.1, kept for one release
-
-_MOVED = {
-    "SoftmaxTokenChoice": softmax_token_choice, "SinkhornTokenChoice": sinkhorn_token_choice, "SVMoE": svmoe,
-    "SoftmaxExpertChoice": softmax_expert_choice, "SinkhornExpertChoice": sinkhorn_expert_choice,
-    "SparsityConstrainedExpertChoice": sparsity_constrained_expert_choice, "SoftMoE": soft_moe,
-}
-
-
-def __getattr__(name):
-    if name in _MOVED:
-        new = _MOVED[name]
-        warnings.warn(f"mini_moe.routers.{name} is deprecated since 0.2 and will be removed in 0.3: the router is "
-                      f"now a composition; use make_router({new.__name__!r}, ...) or routers.{new.__name__}(...).",
-                      DeprecationWarning, stacklevel=2)
-        return new
-    raise AttributeError(f"module 'mini_moe.routers' has no attribute {name!r}")

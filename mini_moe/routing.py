@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mini_moe.validate import check_int
+from mini_moe.validate import InputError, check_int
 
 Array = Any
 
@@ -65,7 +65,7 @@ class Routing:
     def slots(self):
         """``(slot_token, slot_weight)`` of a sparse routing, from the dense tensors if needed."""
         if not self.sparse:
-            raise ValueError("slots() needs a sparse routing (one token per slot).")
+            raise InputError("slots() needs a sparse routing (one token per slot).")
         if self.slot_token is not None:
             return self.slot_token, self.slot_weight
         num_tokens = self.dispatch.shape[-3]
@@ -99,7 +99,7 @@ def capacity(num_tokens: int, num_experts: int, factor: float) -> int:
     check_int("num_tokens", num_tokens)
     check_int("num_experts", num_experts)
     if not factor > 0:
-        raise ValueError(f"factor must be > 0 (k or the capacity factor c), got {factor!r}.")
+        raise InputError(f"factor must be > 0 (k or the capacity factor c), got {factor!r}.")
     return max(1, int(math.floor(factor * num_tokens / num_experts + 0.5)))
 
 
@@ -109,11 +109,11 @@ def capacity(num_tokens: int, num_experts: int, factor: float) -> int:
 def _check_scores(scores, combine_scores, min_rank: int = 2, name: str = "scores"):
     shape = np.shape(scores)
     if len(shape) < min_rank:
-        raise ValueError(
+        raise InputError(
             f"{name} must have shape [..., T, E] (rank >= {min_rank}), got shape {shape}."
         )
     if combine_scores is not None and np.shape(combine_scores) != shape:
-        raise ValueError(
+        raise InputError(
             f"combine_scores must have the same shape as {name} {shape}, "
             f"got {np.shape(combine_scores)}."
         )
@@ -156,7 +156,7 @@ def token_choice(
     check_int("capacity", capacity)
     check_int("k", k)
     if k > num_experts:
-        raise ValueError(f"k must be <= the number of experts E={num_experts}, got k={k}.")
+        raise InputError(f"k must be <= the number of experts E={num_experts}, got k={k}.")
     scores = jnp.asarray(scores)
     weights = scores if combine_scores is None else jnp.asarray(combine_scores)
     flat = scores.reshape((-1, num_tokens, num_experts))
@@ -189,7 +189,7 @@ def _loop_inputs(scores, combine_scores, capacity):
     """NumPy scores and combine weights of one group, and zero routing tensors [T, E, C]."""
     scores = np.asarray(scores, dtype=np.float64)
     if scores.ndim != 2:
-        raise ValueError(f"scores must have shape [T, E], got {scores.shape}.")
+        raise InputError(f"scores must have shape [T, E], got {scores.shape}.")
     weights = scores if combine_scores is None else np.asarray(combine_scores, np.float64)
     zeros = np.zeros(scores.shape + (capacity,))
     return scores, weights, zeros, zeros.copy()
@@ -238,7 +238,7 @@ def expert_choice(scores: Array, *, capacity: int, combine_scores: Array | None 
     num_tokens = shape[-2]
     check_int("capacity", capacity)
     if capacity > num_tokens:
-        raise ValueError(
+        raise InputError(
             f"capacity must be <= the number of tokens T={num_tokens} for expert choice, "
             f"got capacity={capacity}."
         )
@@ -280,7 +280,7 @@ def soft_routing(logits: Array) -> Routing:
     """
     shape = np.shape(logits)
     if len(shape) < 3:
-        raise ValueError(f"logits must have shape [..., T, E, S], got shape {shape}.")
+        raise InputError(f"logits must have shape [..., T, E, S], got shape {shape}.")
     logits = jnp.asarray(logits)
     dispatch = jax.nn.softmax(logits, axis=-3)
     flat = logits.reshape(shape[:-2] + (shape[-2] * shape[-1],))

@@ -40,6 +40,7 @@ from mini_moe import config as config_lib
 from mini_moe import evaluate, train
 from mini_moe import routers as routers_lib
 from mini_moe.routers import ROUTERS
+from mini_moe.validate import InputError
 
 # The routers of the papers, whose claims :func:`claims` tests, and how the capacity factor c
 # reaches each (declared with its registration: "token", "expert" or "soft"). A study can also
@@ -80,9 +81,9 @@ def check_capacity(capacity) -> float:
     """The capacity factor as a float; a clear error unless it is 0.5, 1, or a larger integer
     (Token Choice needs ``k = c`` experts per token above 1)."""
     if isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or not capacity > 0:
-        raise ValueError(f"capacity must be a number > 0, got {capacity!r}.")
+        raise InputError(f"capacity must be a number > 0, got {capacity!r}.")
     if capacity > 1 and capacity != int(capacity):
-        raise ValueError(f"capacity above 1 must be an integer (Token Choice uses k = c), got {capacity!r}.")
+        raise InputError(f"capacity above 1 must be an integer (Token Choice uses k = c), got {capacity!r}.")
     return float(capacity)
 
 
@@ -102,7 +103,7 @@ def cell_config(router: str | None, capacity: float, seed: int, *, dataset: str,
     """The :class:`~mini_moe.config.TrainConfig` of one study cell: ``router`` (or one of :data:`VARIANTS`;
     ``None`` for the dense ViT) at capacity factor ``capacity``, in the Every-2 placement."""
     if router is not None and router not in ROUTERS and router not in VARIANTS:
-        raise ValueError(f"Unknown router {router!r}; expected one of: {', '.join(sorted(ROUTERS) + sorted(VARIANTS))}.")
+        raise InputError(f"Unknown router {router!r}; expected one of: {', '.join(sorted(ROUTERS) + sorted(VARIANTS))}.")
     capacity = check_capacity(capacity)
     router, options = VARIANTS.get(router, (router, {}))
     overrides = {"model_placement": "every2", **overrides}
@@ -152,9 +153,12 @@ def run_cell(cfg: config_lib.TrainConfig, out_dir, *, minutes: float | None = No
     """
     out_dir = pathlib.Path(out_dir)
     result_path = out_dir / "result.json"
+    tick = time.perf_counter()
+    if minutes is not None and (out_dir / "config.json").exists():  # the steps it started with
+        cfg = train.budget_config(cfg, 60.0 * minutes, out_dir=out_dir)
+    train.check_saved_config(out_dir, cfg)  # a result (or a started run) of another configuration is refused
     if result_path.exists():
         return json.loads(result_path.read_text())
-    tick = time.perf_counter()
     datasets = datasets if datasets is not None else train.load_data(cfg)
     if minutes is not None:
         cfg = train.budget_config(cfg, 60.0 * minutes, out_dir=out_dir, datasets=datasets)
@@ -212,9 +216,9 @@ def paired_t(differences, *, level: float = 0.95) -> dict:
 
     diffs = [float(d) for d in differences]
     if not diffs:
-        raise ValueError("paired_t needs at least one difference.")
+        raise InputError("paired_t needs at least one difference.")
     if not 0 < level < 1:
-        raise ValueError(f"level must be in (0, 1), got {level!r}.")
+        raise InputError(f"level must be in (0, 1), got {level!r}.")
     n, mean = len(diffs), statistics.fmean(diffs)
     out = {"difference": mean, "pairs": n, "df": n - 1}
     if n < 2:
@@ -238,7 +242,7 @@ def holm(p_values) -> list[float]:
     """
     p = [float(v) for v in p_values]
     if any(not 0 <= v <= 1 for v in p):
-        raise ValueError(f"p-values must lie in [0, 1], got {p}.")
+        raise InputError(f"p-values must lie in [0, 1], got {p}.")
     m = len(p)
     adjusted = [0.0] * m
     running = 0.0
@@ -282,7 +286,7 @@ def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", 
         if a and b:
             by_seed.setdefault(seed, []).append(statistics.fmean(a) - statistics.fmean(b))
     if not by_seed:
-        raise ValueError(f"No (seed, capacity) has cells of both {groups[0]} and {groups[1]}.")
+        raise InputError(f"No (seed, capacity) has cells of both {groups[0]} and {groups[1]}.")
     return paired_t([statistics.fmean(d) for d in by_seed.values()], level=level)
 
 
@@ -296,7 +300,7 @@ def verdict(row: dict, *, what: str = "", unit: str = "", scale: float = 1.0, di
     (100 for accuracies in points), ``what`` is put in front (``"FVU "``).
     """
     if "p_holm" not in row:
-        raise ValueError("row has no 'p_holm': adjust the family's p-values with holm() first.")
+        raise InputError("row has no 'p_holm': adjust the family's p-values with holm() first.")
     diff, p = scale * row["difference"], row["p_holm"]
     if not p < alpha:
         return f"no detectable difference ({what}{diff:+.{digits}f}{unit}, p_Holm = {p:.2g})"
@@ -309,18 +313,34 @@ def paired_power(pairs: int, sd: float, difference: float, *, alpha: float = 0.0
     """Power of the two-sided paired t-test: the probability that ``pairs`` paired seeds whose
     differences have standard deviation ``sd`` and mean ``difference`` give p < ``alpha``.
     Under that alternative t follows a noncentral t distribution with ``pairs - 1`` degrees of
-    freedom and noncentrality ``difference * sqrt(pairs) / sd``."""
+    freedom and noncentrality ``difference * sqrt(pairs) / sd``. Finite everywhere, in [0, 1]
+    (a tail scipy cannot evaluate falls back to a normal approximation, :func:`_nct_cdf`)."""
     from scipy import stats
 
     if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 2:
-        raise ValueError(f"pairs must be an integer >= 2, got {pairs!r}.")
+        raise InputError(f"pairs must be an integer >= 2, got {pairs!r}.")
     if not sd > 0:
-        raise ValueError(f"sd must be > 0, got {sd!r}.")
+        raise InputError(f"sd must be > 0, got {sd!r}.")
     if not 0 < alpha < 1:
-        raise ValueError(f"alpha must be in (0, 1), got {alpha!r}.")
+        raise InputError(f"alpha must be in (0, 1), got {alpha!r}.")
     df, shift = pairs - 1, abs(difference) * math.sqrt(pairs) / sd
-    critical = stats.t.ppf(1 - alpha / 2, df)
-    return float(stats.nct.sf(critical, df, shift) + stats.nct.cdf(-critical, df, shift))
+    critical = float(stats.t.ppf(1 - alpha / 2, df))
+    upper = 1.0 - _nct_cdf(critical, df, shift)  # P(t > critical)
+    lower = _nct_cdf(-critical, df, shift)  # P(t < -critical)
+    return min(1.0, max(0.0, upper + lower))
+
+
+def _nct_cdf(x: float, df: int, shift: float) -> float:
+    """P(T <= x) for T noncentral t (``df``, ``shift``): scipy's ``nct.cdf``, or, where it
+    returns NaN (its series underflows far in a tail: scipy 1.17 at x = -4.5, df = 3, shift = 7),
+    the normal approximation of Abramowitz & Stegun 26.7.10,
+    Phi((x (1 - 1/(4 df)) - shift) / sqrt(1 + x^2 / (2 df)))."""
+    from scipy import stats
+
+    value = float(stats.nct.cdf(x, df, shift))
+    if not math.isfinite(value):
+        value = float(stats.norm.cdf((x * (1 - 1 / (4 * df)) - shift) / math.sqrt(1 + x * x / (2 * df))))
+    return min(1.0, max(0.0, value))
 
 
 def seeds_for_power(sd: float, difference: float, *, alpha: float = 0.05, power: float = 0.8,
@@ -330,13 +350,13 @@ def seeds_for_power(sd: float, difference: float, *, alpha: float = 0.05, power:
     ``comparisons`` tests (Bonferroni's ``alpha / comparisons``: what Holm's step-down test
     needs for its smallest p-value, so a conservative plan for the others)."""
     if not 0 < power < 1:
-        raise ValueError(f"power must be in (0, 1), got {power!r}.")
+        raise InputError(f"power must be in (0, 1), got {power!r}.")
     if isinstance(comparisons, bool) or not isinstance(comparisons, int) or comparisons < 1:
-        raise ValueError(f"comparisons must be an integer >= 1, got {comparisons!r}.")
+        raise InputError(f"comparisons must be an integer >= 1, got {comparisons!r}.")
     for pairs in range(2, max_pairs + 1):
         if paired_power(pairs, sd, difference, alpha=alpha / comparisons) >= power:
             return pairs
-    raise ValueError(f"more than max_pairs={max_pairs} seeds needed (sd={sd}, difference={difference}).")
+    raise InputError(f"more than max_pairs={max_pairs} seeds needed (sd={sd}, difference={difference}).")
 
 
 def allocation_vs_affinity(cells: list[dict], *, metric: str = "test_accuracy", capacities=None,
@@ -361,7 +381,7 @@ def allocation_vs_affinity(cells: list[dict], *, metric: str = "test_accuracy", 
         if all(gaps):
             by_seed.setdefault(seed, []).append(statistics.fmean(gaps[0]) - statistics.fmean(gaps[1]))
     if not by_seed:
-        raise ValueError("No (seed, capacity) has cells of both an allocation pair and an affinity pair.")
+        raise InputError("No (seed, capacity) has cells of both an allocation pair and an affinity pair.")
     return paired_t([statistics.fmean(d) for d in by_seed.values()], level=level)
 
 
@@ -441,9 +461,17 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=CAPACITIES, see
             for c in cs]
     if isinstance(done, (str, pathlib.Path)):
         done = json.loads(pathlib.Path(done).read_text()) if pathlib.Path(done).exists() else None
+    if done:  # its cells are reused only if they were made with the same settings
+        settings = {"dataset": dataset, "scale": scale or config_lib.default_scale(), "minutes_per_cell": minutes,
+                    "overrides": {k: repr(v) for k, v in overrides.items()}}
+        differ = {k: (done.get(k), v) for k, v in settings.items() if done.get(k) != v}
+        if differ:
+            raise InputError("done= holds cells of a study made with other settings: "
+                             + "; ".join(f"{k} was {old!r}, here {new!r}" for k, (old, new) in differ.items())
+                             + ". Run with the same settings, or without done= to start a new study.")
     finished = {(c["router"], c["capacity"], c["seed"]): c for c in (done or {}).get("cells", [])}
     if not plan:
-        raise ValueError("Nothing to run: pass at least one router (routers=...) or dense=True, and seeds.")
+        raise InputError("Nothing to run: pass at least one router (routers=...) or dense=True, and seeds.")
     first_router, first_capacity, _ = plan[0]  # (a valid config: prc=True has no dense cell)
     datasets = train.load_data(cell_config(first_router, first_capacity, 0, dataset=dataset, scale=scale, **overrides))
     cells, started = [], time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -463,7 +491,7 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=CAPACITIES, see
                    "overrides": {k: repr(v) for k, v in overrides.items()},
                    "routers": routers, "capacities": capacities, "seeds": list(seeds), "planned_cells": len(plan),
                    "wall_seconds": round(sum(c.get("wall_seconds", 0.0) for c in cells), 1),
-                   "cells": cells, "summary": summarize(cells)}
+                   "cells": cells, "summary": summarize(cells), "comparisons": claims(cells)}
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     return results
 

@@ -35,8 +35,10 @@ from flax import nnx
 
 from mini_moe import routers as routers_lib
 from mini_moe import study
-from mini_moe.layer import MlpExperts, moe
-from mini_moe.validate import check_int
+from mini_moe.evaluate import eval_mode
+from mini_moe.layer import MlpExperts
+from mini_moe.model import MoeLayer
+from mini_moe.validate import InputError, check_int
 
 Array = Any
 
@@ -78,10 +80,10 @@ class SubtaskConfig:
 
     def __post_init__(self):
         if self.router not in ("dense", "dense_wide") and self.router not in routers_lib.ROUTERS:
-            raise ValueError(f"Unknown router {self.router!r}; expected 'dense', 'dense_wide' or one of: "
+            raise InputError(f"Unknown router {self.router!r}; expected 'dense', 'dense_wide' or one of: "
                              f"{', '.join(sorted(routers_lib.ROUTERS))}.")
         if self.frequencies not in FREQUENCIES:
-            raise ValueError(f"frequencies must be one of {FREQUENCIES}, got {self.frequencies!r}.")
+            raise InputError(f"frequencies must be one of {FREQUENCIES}, got {self.frequencies!r}.")
         for name in ("tasks", "dim", "hidden", "group_tokens", "groups", "steps", "eval_every"):
             check_int(name, getattr(self, name))
         study.check_capacity(self.capacity)
@@ -125,29 +127,27 @@ def _gelu(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
 
 
-class SubtaskLayer(nnx.Module):
-    """One MoE layer (``router`` + ``tasks`` experts of width ``hidden``) or a dense MLP.
+class SubtaskLayer(MoeLayer):
+    """One MoE layer (``router`` + ``tasks`` experts of width ``hidden``; the package's
+    :class:`~mini_moe.model.MoeLayer`) or a dense MLP (``router`` is None).
 
     ``layer(x [G, T, D]) -> (y [G, T, D], RouterOutput or None)``.
     """
 
     def __init__(self, cfg: SubtaskConfig, *, rngs: nnx.Rngs):
-        self.dense = cfg.router in ("dense", "dense_wide")
-        if self.dense:
+        if cfg.router in ("dense", "dense_wide"):
             width = cfg.hidden * (cfg.tasks if cfg.router == "dense_wide" else 1)
-            self.experts = MlpExperts(1, cfg.dim, width, rngs=rngs)
-            self.router = None
+            super().__init__(None, MlpExperts(1, cfg.dim, width, rngs=rngs))
         else:
             kwargs = study.capacity_options(cfg.router, cfg.capacity, tokens=cfg.group_tokens, num_experts=cfg.tasks)
-            self.router = routers_lib.make_router(cfg.router, cfg.dim, cfg.tasks, rngs=rngs, **kwargs)
-            self.experts = MlpExperts(cfg.tasks, cfg.dim, cfg.hidden, rngs=rngs)
+            router = routers_lib.make_router(cfg.router, cfg.dim, cfg.tasks, rngs=rngs, **kwargs)
+            super().__init__(router, MlpExperts(cfg.tasks, cfg.dim, cfg.hidden, rngs=rngs))
 
     def __call__(self, x: Array):
-        if self.dense:
+        if self.router is None:
             g, t, d = x.shape
             return self.experts(x.reshape(1, g * t, d)).reshape(g, t, -1), None
-        out = self.router(x)
-        return moe(x, out.routing, self.experts), out
+        return super().__call__(x)
 
 
 def _loss(layer, x, y, aux_weight):
@@ -187,9 +187,8 @@ def assignment_counts(weight: np.ndarray, hits: np.ndarray, task: np.ndarray, nu
 def routing(layer: SubtaskLayer, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(weight, hits)``, both ``[G, T, E]``: each expert's combine weight for every token and
     whether it processes the token (eval mode)."""
-    layer.eval()
-    _, weight, hits = _predict(layer, jnp.asarray(x))
-    layer.train()
+    with eval_mode(layer):
+        _, weight, hits = _predict(layer, jnp.asarray(x))
     return np.asarray(weight), np.asarray(hits)
 
 
@@ -209,9 +208,8 @@ def evaluate_layer(layer: SubtaskLayer, x: np.ndarray, y: np.ndarray, task: np.n
     """The metrics of the module docstring on test groups ``x, y [G, T, D]``, ``task [G, T]``."""
     from scipy.optimize import linear_sum_assignment
 
-    layer.eval()
-    pred, weight, hits = _predict(layer, jnp.asarray(x))
-    layer.train()
+    with eval_mode(layer):
+        pred, weight, hits = _predict(layer, jnp.asarray(x))
     pred = np.asarray(pred)
     fvu = float(np.mean(np.sum((pred - y) ** 2, -1)) / np.mean(np.sum((y - y.mean((0, 1))) ** 2, -1)))
     if weight is None:
@@ -301,7 +299,7 @@ def paired(results: dict, better: str, worse: str, *, frequencies: str, capacity
             final[(c["router"], c["seed"])] = r["final"][metric]
     seeds = sorted({s for (name, s) in final if name == better} & {s for (name, s) in final if name == worse})
     if not seeds:
-        raise ValueError(f"No seed has runs of both {better!r} and {worse!r} ({frequencies}, c = {capacity:g}).")
+        raise InputError(f"No seed has runs of both {better!r} and {worse!r} ({frequencies}, c = {capacity:g}).")
     sign = -1.0 if lower_is_better else 1.0
     return study.paired_t([sign * (final[(better, s)] - final[(worse, s)]) for s in seeds])
 
@@ -386,9 +384,8 @@ def slot_purity(layer: SubtaskLayer, x: np.ndarray, task: np.ndarray, num_tasks:
     slot's dispatch weight that comes from one sub-task. 1 when every slot draws from a single
     sub-task (always true for a sparse routing: one token per slot); ``1 / K`` when slots mix
     all sub-tasks evenly. Empty slots are left out."""
-    layer.eval()
-    dispatch = np.asarray(layer.router(jnp.asarray(x)).routing.dispatch)  # [G, T, E, S]
-    layer.train()
+    with eval_mode(layer):
+        dispatch = np.asarray(layer.router(jnp.asarray(x)).routing.dispatch)  # [G, T, E, S]
     onehot = np.eye(num_tasks)[task]  # [G, T, K]
     mass = np.einsum("gtk,gtes->gkes", onehot, dispatch)  # each slot's weight per sub-task
     total = mass.sum(1)

@@ -37,6 +37,7 @@ from mini_moe import data as data_lib
 from mini_moe import evaluate, losses, parallel
 from mini_moe.config import TrainConfig
 from mini_moe.model import ModelConfig, VisionMoE
+from mini_moe.validate import InputError
 
 Array = Any
 
@@ -186,7 +187,7 @@ def load_trained(out_dir) -> tuple[VisionMoE, TrainConfig]:
     model = make_model(cfg)
     manager = _manager(out_dir)
     if manager.latest_step() is None:
-        raise ValueError(f"No checkpoint in {out_dir / 'checkpoints'}; train first (python -m mini_moe train).")
+        raise InputError(f"No checkpoint in {out_dir / 'checkpoints'}; train first (python -m mini_moe train).")
     restore_checkpoint(manager, model, make_optimizer(model, cfg))
     model.eval()
     return model, cfg
@@ -199,6 +200,24 @@ def config_to_json(cfg: TrainConfig) -> dict:
 def _as_saved(cfg: TrainConfig) -> dict:
     """``cfg`` as it reads back from config.json (tuples become lists): what resume compares."""
     return json.loads(json.dumps(config_to_json(cfg)))
+
+
+def check_saved_config(out_dir, cfg: TrainConfig) -> None:
+    """Refuse to reuse ``out_dir`` (resume its run, or take its results) when its
+    ``config.json`` was written for another configuration than ``cfg``; nothing to check when
+    it has none. Compared as read back from JSON, through :func:`config_from_json`, so a field
+    added to the configuration since the run was saved takes its default."""
+    path = pathlib.Path(out_dir) / "config.json"
+    if not path.exists():
+        return
+    saved = _as_saved(config_from_json(json.loads(path.read_text())))
+    wanted = _as_saved(cfg)
+    if saved != wanted:
+        differ = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k) and k != "model")
+        differ += sorted(f"model.{k}" for k in saved["model"].keys() | wanted["model"].keys()
+                         if saved["model"].get(k) != wanted["model"].get(k))
+        raise InputError(f"{out_dir} holds a run with a different configuration (differs in: {', '.join(differ)}); "
+                         "use another out_dir, or resume=False (--no-resume) to replace it.")
 
 
 def config_from_json(obj: dict) -> TrainConfig:
@@ -216,7 +235,7 @@ def batch_at(dataset, cfg: TrainConfig, step: int):
     labels)``, or with PRC ``(view1, view2, labels, index, valid)``."""
     per_epoch = data_lib.num_batches(len(dataset.labels), cfg.batch_size)
     if per_epoch < 1:
-        raise ValueError(f"batch_size={cfg.batch_size} is larger than the training set ({len(dataset.labels)}).")
+        raise InputError(f"batch_size={cfg.batch_size} is larger than the training set ({len(dataset.labels)}).")
     epoch, index = divmod(step, per_epoch)
     images, labels = next(data_lib.batches(dataset, cfg.batch_size, seed=cfg.seed, epoch=epoch, start=index))
     rng = np.random.default_rng((cfg.seed, step))
@@ -254,7 +273,7 @@ def steps_for_budget(cfg: TrainConfig, seconds: float, *, datasets=None, probe_s
     """
     warmup_steps = 5
     if not seconds > 0:
-        raise ValueError(f"seconds must be > 0, got {seconds!r}.")
+        raise InputError(f"seconds must be > 0, got {seconds!r}.")
     train_ds = (datasets if datasets is not None else load_data(cfg))[0]
     model = make_model(cfg)
     optimizer = make_optimizer(model, cfg)
@@ -297,13 +316,8 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     out_dir = pathlib.Path(out_dir)
     config_path = out_dir / "config.json"
     history_path = out_dir / "history.json"
-    if resume and config_path.exists():
-        # Through config_from_json: a field added since the run was saved takes its default.
-        saved = config_from_json(json.loads(config_path.read_text()))
-        if _as_saved(saved) != _as_saved(cfg):
-            raise ValueError(
-                f"{out_dir} holds a run with a different configuration; use another out_dir or resume=False."
-            )
+    if resume:
+        check_saved_config(out_dir, cfg)
     train_ds, test_ds = datasets if datasets is not None else load_data(cfg)
     model = make_model(cfg)  # data and model first: a failed start leaves out_dir untouched
     optimizer = make_optimizer(model, cfg)
@@ -350,7 +364,7 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
             last = manager.latest_step()
             write_history()
             bar.close()
-            raise ValueError(
+            raise InputError(
                 f"loss is not finite at step {step} (loss={loss}, aux_loss={aux}); training stopped. The last "
                 f"good checkpoint is step {last} in {out_dir / 'checkpoints'}. Lower learning_rate or raise grad "
                 "clipping, then resume."

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mini_moe.validate import check_positive
+from mini_moe.validate import InputError, check_positive
 
 Array = Any
 
@@ -35,7 +35,7 @@ Array = Any
 def _check_plan_inputs(scores, name="logits"):
     shape = np.shape(scores)
     if len(shape) < 2:
-        raise ValueError(f"{name} must have shape [..., T, E] (rank >= 2), got shape {shape}.")
+        raise InputError(f"{name} must have shape [..., T, E] (rank >= 2), got shape {shape}.")
     return shape
 
 

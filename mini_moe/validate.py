@@ -1,15 +1,34 @@
-"""Argument checks shared by every module: each raises a ``ValueError`` that names the
-argument, says what was expected and shows what was given."""
+"""Argument checks shared by every module, and :class:`InputError`, the one exception they
+raise: its message names the argument, says what was expected and shows what was given."""
 
 from __future__ import annotations
 
 import numpy as np
 
 
+class InputError(ValueError):
+    """Input that ``mini_moe`` cannot use: an argument, a configuration value, a file or a
+    dataset. Every check in the package raises it (or :class:`DataNotFoundError`,
+    :class:`MissingPackageError`), with a message that names the input and the fix.
+
+    A ``ValueError``, so code that catches ``ValueError`` keeps working. The command line
+    prints it as one line without a traceback; any other exception is a bug and keeps its
+    traceback.
+    """
+
+
+class DataNotFoundError(InputError, FileNotFoundError):
+    """A dataset or file that is not on this machine; the message says how to get it."""
+
+
+class MissingPackageError(InputError, ImportError):
+    """An optional package that is not installed; the message gives the ``pip install``."""
+
+
 def check_int(name: str, value, low: int = 1) -> int:
     """``value`` if it is an integer (not a bool) >= ``low``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}.")
+        raise InputError(f"{name} must be an integer >= {low}, got {value!r}.")
     return value
 
 
@@ -22,5 +41,5 @@ def check_positive(name: str, value, *, integer: bool = False):
     except (TypeError, ValueError):  # not a number (or not a scalar)
         valid = False
     if not valid:
-        raise ValueError(f"{name} must be > 0, got {value!r}.")
+        raise InputError(f"{name} must be > 0, got {value!r}.")
     return value

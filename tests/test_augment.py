@@ -1,6 +1,5 @@
 """mini_moe.augment: random resized crops with known geometry and paper 004's patch correspondences."""
 
-import warnings
 
 import numpy as np
 import pytest
@@ -131,12 +130,6 @@ def test_patch_correspondence_picks_the_nearest_patch_centre():
         augment.patch_correspondence(t1, t2, out_size1=30, out_size2=24, patch_size=8)
 
 
-def test_moved_names_still_work_from_data_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match="moved to mini_moe.augment.random_resized_crop"):
-        crop = data.random_resized_crop
-    assert crop is augment.random_resized_crop
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        data.load  # names that stayed do not warn
-    with pytest.raises(AttributeError, match="no attribute 'nope'"):
-        data.nope
+def test_names_moved_in_0_2_are_gone_from_data_since_0_4():
+    for name in ("CropTransform", "random_resized_crop", "patch_correspondence"):
+        assert hasattr(augment, name) and not hasattr(data, name)

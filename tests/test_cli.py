@@ -109,3 +109,32 @@ def test_cli_main_returns_2_on_a_user_error(tmp_path, capsys):
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("mini_moe: error: Unknown config field 'nonsense'")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--set", "learning_rate=fast"], "learning_rate must be of type float (like its default 0.002), got 'fast' of type str"),
+    (["--set", "steps=2.5"], "steps must be of type int"),
+    (["--set", "augment=1"], "augment must be of type bool"),
+    (["--minutes", "-1"], "--minutes must be > 0"),
+    (["--mesh", "1x1", "--set", "model_moe_path=einsum"], "moe_path='einsum' applies on one device"),
+])
+def test_cli_names_the_flag_or_key_at_fault(tmp_path, capsys, args, message):
+    code = cli.main(["train", "--dataset", "digits", "--router", "softmax_token_choice", "--out",
+                     str(tmp_path / "x"), *args])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mini_moe: error: ") and message in err, err
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_cli_lets_a_bug_show_its_traceback(tmp_path, monkeypatch):
+    """Only :class:`InputError` is a user's error: any other exception (here a ValueError from
+    inside training, as a bug would raise) propagates with its traceback."""
+    from mini_moe import train
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal shape mismatch")
+
+    monkeypatch.setattr(train, "train", broken)
+    with pytest.raises(ValueError, match="internal shape mismatch"):
+        cli.main(["train", "--dataset", "digits", "--steps", "2", "--out", str(tmp_path / "x")])

@@ -300,3 +300,36 @@ def test_group_routing_is_the_first_group(digits):
     np.testing.assert_array_equal(rt.dispatch, np.asarray(full.dispatch[0]))
     with pytest.raises(ValueError, match="at least one routing group"):
         evaluate.group_routing(model, images[:1])
+
+
+def test_subtask_helpers_restore_the_mode_the_layer_was_in():
+    cfg = subtasks.SubtaskConfig(router="softmax_token_choice", tasks=4, dim=8, hidden=8, group_tokens=64)
+    teacher, layer = _oracle(cfg)
+    x, y, task = teacher.sample(np.random.default_rng(0), 2)
+    noisy = lambda: layer.router.affinity.deterministic is False  # noqa: E731 (train mode: noise on)
+    for mode in ("eval", "train"):
+        getattr(layer, mode)()
+        before = noisy()
+        subtasks.routing(layer, x)
+        subtasks.evaluate_layer(layer, x, y, task, cfg.tasks)
+        subtasks.slot_purity(layer, x, task, cfg.tasks)
+        assert noisy() == before, mode
+
+
+def test_model_bench_and_subtasks_share_one_moe_layer(monkeypatch):
+    """A timing, a study and a chapter measure the same layer: the model's MoE blocks, the
+    benchmark's module and the sub-task experiment's layer are all :class:`model.MoeLayer`."""
+    from mini_moe import bench, model as model_lib
+
+    cfg = config_lib.get_config("quick", dataset="digits", router="softmax_expert_choice")
+    vmoe = model_lib.VisionMoE(cfg.model, rngs=nnx.Rngs(0))
+    assert all(isinstance(b.mlp, model_lib.MoeLayer) for b in vmoe.blocks if b.use_moe)
+    sub = subtasks.SubtaskLayer(subtasks.SubtaskConfig(router="soft_moe", tasks=4, dim=8, hidden=8,
+                                                       group_tokens=64), rngs=nnx.Rngs(0))
+    assert isinstance(sub, model_lib.MoeLayer)
+    seen = []
+    original = model_lib.MoeLayer.__call__
+    monkeypatch.setattr(model_lib.MoeLayer, "__call__",
+                        lambda self, x, mesh=None: seen.append(type(self)) or original(self, x, mesh))
+    bench.moe_layer_ms("softmax_expert_choice", "quick", repeats=1)
+    assert seen and all(t is model_lib.MoeLayer for t in seen)

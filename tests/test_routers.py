@@ -25,6 +25,7 @@ def test_registry_has_every_router_of_the_papers():
     assert set(ALL) == {
         "softmax_token_choice", "sinkhorn_token_choice", "softmax_expert_choice",
         "sinkhorn_expert_choice", "sparsity_constrained_expert_choice", "soft_moe", "svmoe",
+        "sigmoid_loss_free", "group_limited",  # DeepSeek-V3 (issue 26)
     }
     with pytest.raises(ValueError, match="Unknown router 'topk'.*softmax_token_choice"):
         mm.make_router("topk", D, E, rngs=nnx.Rngs(0))
@@ -235,14 +236,25 @@ def test_wrong_token_dimension_raises(name):
 
 
 def test_registered_routers_outputs_are_unchanged():
-    """Every registered router (and the options that change its computation) gives exactly the
-    outputs recorded in ``tests/data/router_golden.npz`` on the recorded inputs: bit for bit
-    under the JAX that recorded them, to float32 round-off under another (the floors run)."""
+    """Every registered router (and the options that change its computation) gives the outputs
+    recorded in ``tests/data/router_golden.npz`` on the recorded inputs, on any CPU and JAX.
+
+    What is exact: the routing decisions (which token sits in which slot: sparse dispatch masks,
+    the support of the combine tensor, counts of dropped tokens). What is compared with a
+    tolerance: every float. The recorded floats are reproduced only to round-off, because XLA
+    picks other instructions on another CPU (AVX-512 vs AVX2 vs NEON: fused multiply-adds,
+    vectorised exp and reductions in another order). The bound: float32's unit round-off is
+    u = 6e-8; the longest chain here (an l2 norm and a dot product over D = 8, an exp of
+    logits of magnitude up to ~10, whose relative error is the logit's absolute error, and a
+    sum over up to T = 16 or E * S = 16 terms, twice for Soft MoE) accumulates at most about
+    100 u, i.e. 6e-6, so rtol = 1e-5; atol = 1e-7 covers entries that are zero in one run and
+    a few ulps of 1.0 away from zero in the other. Measured: at most 4.2e-7 relative (Soft
+    MoE's combine) between the Intel Xeon that recorded the file and an AMD EPYC, also with
+    ``XLA_FLAGS=--xla_cpu_max_isa=AVX2``."""
     import router_golden
 
     golden = np.load(router_golden.PATH)
     np.testing.assert_array_equal(golden["x"], router_golden.inputs())
-    exact = str(golden["jax_version"]) == jax.__version__
     now = router_golden.outputs()
     recorded = {k: golden[k] for k in golden.files if k not in ("x", "jax_version")}
     # Since 0.2 the identity ablation also reports the slot logits' scale (the router is a
@@ -263,10 +275,11 @@ def test_registered_routers_outputs_are_unchanged():
     for key, value in recorded.items():
         if key in solver:
             continue
-        if exact:
-            np.testing.assert_array_equal(now[key], value, err_msg=key)
-        else:
-            np.testing.assert_allclose(now[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(now[key], value, rtol=1e-5, atol=1e-7, err_msg=key)
+        if key.endswith(("dispatch", "combine")) and not key.startswith("soft"):  # sparse: the decisions
+            np.testing.assert_array_equal(now[key] != 0, value != 0, err_msg=key)
+        if key.endswith("dispatch") and not key.startswith("soft"):
+            np.testing.assert_array_equal(now[key], value, err_msg=key)  # a 0/1 mask
 
 
 def test_registered_routers_are_named_compositions():
@@ -280,6 +293,8 @@ def test_registered_routers_are_named_compositions():
         "sinkhorn_expert_choice": (routers.SinkhornPlan, routers.ExpertChoice),
         "sparsity_constrained_expert_choice": (routers.SparsityConstrainedPlan, routers.ExpertChoice),
         "soft_moe": (routers.SlotLogits, routers.SoftRouting),
+        "sigmoid_loss_free": (routers.SigmoidGates, routers.TokenChoice),
+        "group_limited": (routers.SigmoidGates, routers.TokenChoice),
     }
     for name, (affinity, allocation) in table.items():
         router = _make(name)
@@ -302,12 +317,32 @@ def test_registered_routers_are_named_compositions():
     assert router.allocation == routers.ExpertChoice(2.0) and router(x).routing.dispatch.shape[-1] == 2 * T // E
 
 
-def test_release_0_1_router_classes_still_work_with_a_warning():
-    with pytest.warns(DeprecationWarning, match="SoftmaxExpertChoice is deprecated.*make_router"):
-        build = routers.SoftmaxExpertChoice
-    np.testing.assert_array_equal(build(D, E, rngs=nnx.Rngs(0))(_x()).routing.combine,
-                                  _make("softmax_expert_choice")(_x()).routing.combine)
-    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
-        routers.Nope
+def test_release_0_1_router_classes_are_gone_since_0_4():
+    for name in ("SoftmaxTokenChoice", "SoftmaxExpertChoice", "SoftMoE"):
+        assert not hasattr(routers, name)
     with pytest.raises(ValueError, match="allocation must be one of"):
         routers.register("x", allocation="sideways")
+
+
+def test_register_refuses_a_taken_name_unless_replace():
+    before = mm.ROUTERS["softmax_expert_choice"]
+    with pytest.raises(ValueError, match="already registered as 'softmax_expert_choice'.*replace=True"):
+        routers.register("softmax_expert_choice", allocation="token")(lambda *a, **k: None)
+    assert mm.ROUTERS["softmax_expert_choice"] is before  # untouched
+
+    def build(dim, num_experts, *, capacity_factor=1.0, rngs):
+        return routers.Router(routers.Softmax(dim, num_experts, rngs=rngs), routers.ExpertChoice(capacity_factor))
+
+    try:
+        routers.register("softmax_expert_choice", allocation="expert", replace=True)(build)
+        assert mm.ROUTERS["softmax_expert_choice"].build is build
+    finally:
+        mm.ROUTERS["softmax_expert_choice"] = before
+
+
+def test_per_image_is_decided_by_the_allocation_alone():
+    """One home: a registered router's ``per_image`` is its allocation class's, for every name."""
+    for name, spec in mm.ROUTERS.items():
+        router = mm.make_router(name, D, E, rngs=nnx.Rngs(0))
+        assert spec.per_image == router.per_image == type(router.allocation).per_image
+    assert [a for a, cls in routers.ALLOCATION_CLASSES.items() if cls.per_image] == ["soft"]

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mini_moe
 from mini_moe import routing
 
 SETTINGS = settings(max_examples=25, deadline=None)
@@ -230,3 +231,34 @@ def test_bad_inputs_raise_value_error(call, match):
     scores = np.random.default_rng(0).random((2, 6, 4)).astype(np.float32)
     with pytest.raises(ValueError, match=match):
         call(scores)
+
+
+@pytest.mark.parametrize("tokens, experts, factor, expected", [
+    (196, 8, 1.0, 25),  # 24.5: half-way, rounds up (Python's round() gives 24)
+    (20, 8, 1.0, 3),    # 2.5
+    (12, 8, 1.0, 2),    # 1.5
+    (196, 8, 0.5, 12),  # 12.25
+    (49, 16, 1.0, 3),   # 3.06
+    (4, 16, 1.0, 1),    # never below 1
+])
+def test_every_place_that_sizes_slots_uses_routing_capacity(tokens, experts, factor, expected):
+    """One rounding of C = round(c T / E) everywhere: the function itself, the study's capacity
+    options for every allocation (Soft MoE's slots per expert included), the configuration's
+    default Soft MoE slots and the benchmark's layer."""
+    from flax import nnx
+
+    from mini_moe import bench, config, study
+
+    assert routing.capacity(tokens, experts, factor) == expected
+    assert study.capacity_options("soft_moe", factor, tokens=tokens, num_experts=experts) == {"slots_per_expert": expected}
+    for name in ("softmax_expert_choice", "softmax_token_choice"):
+        kwargs = study.capacity_options(name, factor, tokens=tokens, num_experts=experts)
+        router = mini_moe.make_router(name, 8, experts, rngs=nnx.Rngs(0), **kwargs)
+        assert router.allocation.budget(tokens, experts).capacity == expected
+    if factor == 1.0 and tokens in (196, 49):  # 28x28 images in 2x2 / 4x4 patches
+        cfg = config.get_config("quick", dataset="fashion_mnist", router="soft_moe", model_num_experts=experts,
+                                model_patch_size=28 // int(tokens ** 0.5))
+        assert dict(cfg.model.router_kwargs)["slots_per_expert"] == expected
+    shape = bench.LAYER_SHAPES["quick"]
+    router, _ = bench._router_and_tokens("soft_moe", "quick", nnx.Rngs(0))
+    assert router.affinity.slots_per_expert == routing.capacity(shape[1], shape[5], 1.0)

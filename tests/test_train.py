@@ -379,6 +379,16 @@ def test_study_runs_every_cell_resumes_and_summarizes(tmp_path, capsys):
     cli.main(args_fresh)
     again = json.loads((fresh / "results.json").read_text())
     assert again["cells"] == results["cells"] and not (fresh / "dense-s0").exists()
+    # Every comparison written carries its raw and Holm p-values, the effect and the pairs.
+    assert again["comparisons"] and all({"difference", "pairs", "p_value"} <= set(row) for row in again["comparisons"])
+    # Finished cells are reused only with the configuration they were made with: another
+    # setting is refused, through --done (the study's settings) and in a cell's folder (its config.json).
+    other = [a if a != "model_mlp_dim=16" else "model_mlp_dim=32" for a in args_fresh]
+    assert cli.main(other) == 2
+    assert "done= holds cells of a study made with other settings: overrides was" in capsys.readouterr().err
+    changed = study.cell_config("soft_moe", 2, 0, dataset="digits", scale="quick", **{**tiny, "steps": 7})
+    with pytest.raises(ValueError, match="different configuration.*differs in: steps"):
+        study.run_cell(changed, tmp_path / "soft_moe-c2-s0", progress=False, capacity=2)
 
 
 def test_step_flops_counts_every_study_router():

@@ -653,18 +653,26 @@ def test_sparsity_constrained_plan_bad_inputs(scores, kwargs, match):
 @pytest.mark.parametrize("factor", [1, 2])
 def test_sparsity_constrained_plan_reaches_pot_optimum(seed, factor):
     """At C = T/E and C = 2T/E the semi-dual objective F of the returned plan is within a
-    relative 1e-3 of the better of POT's two optima (``ot.smooth`` semi-dual and dual, L-BFGS-B
-    to 1e-10; both are upper bounds of eq. (9), F is minimised), with a mean token-marginal
-    error below 0.07."""
+    relative 1e-3 of the optimum, with a mean token-marginal error below 0.07.
+
+    F is minimised and every potential f gives an upper bound F(f) of the optimum F*, so the
+    reference is the lowest of three upper bounds: POT's semi-dual and dual optima
+    (``ot.smooth``, L-BFGS-B; it stops where its line search stalls on the non-smooth F, at a
+    point that depends on the CPU's rounding, so nothing is asserted about POT itself) and our
+    own solver run far past the router's settings (3,000 iterations, tol 1e-9). Only the
+    direction that matters is asserted: the router's F is at most 1e-3 above the reference,
+    which is at most 1e-3 + (reference - F*) above the optimum."""
     from mini_moe import bench
 
     num_tokens, num_experts = 96, 8
     cap = factor * num_tokens // num_experts
     scores = _softmax_scores(seed, (num_tokens, num_experts))
     pot = bench._pot_semi_dual_optimum(scores, cap)
-    assert pot["semi_dual"] <= pot["dual"] + 1e-6  # the semi-dual is the tighter relaxation
+    _, long_run = _sparse(scores, max_nonzeros=cap, tol=1e-9, max_iters=3000, patience=3000)
+    reference = min(pot["best"], float(long_run.objective))
     plan, info = _sparse(scores, max_nonzeros=cap)
-    assert float(info.objective) <= pot["best"] + 1e-3 * abs(pot["best"])
+    assert float(info.objective) >= reference - 1e-5 * abs(reference)  # the long run is no worse (float32)
+    assert float(info.objective) <= reference + 1e-3 * abs(reference)
     assert float(info.mean_marginal_error) < 0.07
     np.testing.assert_allclose(np.asarray(plan).sum(0), num_tokens / num_experts, atol=1e-4)
     assert np.all(np.count_nonzero(np.asarray(plan), axis=0) <= cap)
