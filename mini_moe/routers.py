@@ -559,8 +559,8 @@ class RouterSpec:
 
     @property
     def per_image(self) -> bool:
-        """Whether it routes the tokens of each image on their own (Soft MoE): a property of
-        the allocation (``TokenChoice.per_image`` etc.), the one place that decides it."""
+        """True when the router routes the tokens of each image on their own (Soft MoE). The
+        allocation decides it (``TokenChoice.per_image`` and so on), in that one place."""
         return ALLOCATION_CLASSES[self.allocation].per_image
 
     def capacity_options(self, capacity: float, *, tokens: int, num_experts: int) -> dict:

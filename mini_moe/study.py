@@ -314,7 +314,7 @@ def paired_power(pairs: int, sd: float, difference: float, *, alpha: float = 0.0
     differences have standard deviation ``sd`` and mean ``difference`` give p < ``alpha``.
     Under that alternative t follows a noncentral t distribution with ``pairs - 1`` degrees of
     freedom and noncentrality ``difference * sqrt(pairs) / sd``. Finite everywhere, in [0, 1]
-    (a tail scipy cannot evaluate falls back to a normal approximation, :func:`_nct_cdf`)."""
+    (a tail scipy cannot evaluate falls back to a normal approximation, see ``_nct_cdf``)."""
     from scipy import stats
 
     if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 2:

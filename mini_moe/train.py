@@ -205,7 +205,7 @@ def _as_saved(cfg: TrainConfig) -> dict:
 def check_saved_config(out_dir, cfg: TrainConfig) -> None:
     """Refuse to reuse ``out_dir`` (resume its run, or take its results) when its
     ``config.json`` was written for another configuration than ``cfg``; nothing to check when
-    it has none. Compared as read back from JSON, through :func:`config_from_json`, so a field
+    it has none. Compared as read back from JSON, through ``config_from_json``, so a field
     added to the configuration since the run was saved takes its default."""
     path = pathlib.Path(out_dir) / "config.json"
     if not path.exists():
