@@ -104,19 +104,9 @@ def test_bias_is_not_a_parameter_moves_in_training_and_resumes_exactly(tmp_path,
     bias = np.asarray(next(b.mlp.router for b in straight.blocks if b.use_moe).affinity.bias[...])
     assert np.abs(bias).max() > 0 and router.affinity.bias[...].sum() == 0  # moved by training only
     # Interrupted after the step-3 checkpoint and resumed: the same bias at step 6.
-    real_step, calls = train._step, {"n": 0}
+    from interrupted import train_interrupted_then_resumed
 
-    def interrupted(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 5:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(train, "_step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train.train(cfg, tmp_path / "resumed", progress=False, datasets=data)
-    monkeypatch.setattr(train, "_step", real_step)
-    train.train(cfg, tmp_path / "resumed", progress=False, datasets=data)
+    train_interrupted_then_resumed(cfg, tmp_path / "resumed", data, monkeypatch)
     resumed, _ = train.load_trained(tmp_path / "resumed")
     again = next(b.mlp.router for b in resumed.blocks if b.use_moe).affinity.bias[...]
     np.testing.assert_array_equal(np.asarray(again), bias)  # same process: bit for bit

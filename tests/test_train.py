@@ -118,19 +118,9 @@ def test_resume_ends_with_the_same_parameters(tmp_path, digits, monkeypatch):
     train.train(cfg, tmp_path / "straight", progress=False, datasets=digits)
     straight, _ = train.load_trained(tmp_path / "straight")
 
-    real_step, calls = train._step, {"n": 0}
+    from interrupted import train_interrupted_then_resumed
 
-    def interrupted(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 5:  # after the checkpoint at step 3
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-
-    monkeypatch.setattr(train, "_step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        train.train(cfg, tmp_path / "resumed", progress=False, datasets=digits)
-    monkeypatch.setattr(train, "_step", real_step)
-    history = train.train(cfg, tmp_path / "resumed", progress=False, datasets=digits)
+    history = train_interrupted_then_resumed(cfg, tmp_path / "resumed", digits, monkeypatch)
     resumed, _ = train.load_trained(tmp_path / "resumed")
     for a, b in zip(_params(straight), _params(resumed)):
         np.testing.assert_array_equal(a, b)
