@@ -14,6 +14,7 @@ import os
 
 import jax
 
+from mini_moe import data as data_lib
 from mini_moe import routers as routers_lib
 from mini_moe import routing as routing_lib
 from mini_moe.model import ModelConfig
@@ -21,16 +22,35 @@ from mini_moe.validate import InputError, check_int
 
 SCALES = ("quick", "full")
 
-# Per dataset: image geometry, the patch size used at each scale, and model-size changes.
-# Fashion-MNIST's quick model uses 7x7 patches (16 tokens) at width 128: on a 2-core CPU it
-# learns more per minute than 4x4 patches at width 64, whose 49-token attention dominates.
+# Per dataset: image geometry, the patch size used at each scale, model-size changes and
+# training changes ("train": TrainConfig fields). Fashion-MNIST's quick model uses 7x7 patches
+# (16 tokens) at width 128: on a 2-core CPU it learns more per minute than 4x4 patches at width
+# 64, whose 49-token attention dominates.
+# patch_vote (and every "patch_vote_v<V>") is the router study's testbed (issue 25): its own model
+# at both scales, so that the other datasets' configurations keep their speed. 7x7 patches make
+# each vocabulary patch one token; width 64 with MLPs (and experts) of 64 keeps the dense MLP
+# too small to hold the task's table of V patches, so capacity is the limit; 2,000 steps.
+_PATCH_VOTE_MODEL = dict(dim=64, depth=4, heads=4, mlp_dim=64, num_experts=8)
 _DATASET_SHAPES = {
     "digits": dict(image_size=8, channels=1, num_classes=10, patch={"quick": 2, "full": 2}),
     "fashion_mnist": dict(image_size=28, channels=1, num_classes=10, patch={"quick": 7, "full": 4},
                           model={"quick": dict(dim=128, mlp_dim=256)}),
     "cifar10": dict(image_size=32, channels=3, num_classes=10, patch={"quick": 4, "full": 4}),
     "cifar100": dict(image_size=32, channels=3, num_classes=100, patch={"quick": 4, "full": 4}),
+    "patch_vote": dict(image_size=28, channels=1, num_classes=10, patch={"quick": 7, "full": 7},
+                       model={"quick": _PATCH_VOTE_MODEL, "full": _PATCH_VOTE_MODEL},
+                       train={"quick": dict(steps=2000), "full": dict(steps=2000)}),
 }
+
+
+def dataset_shape(dataset: str) -> dict:
+    """The geometry and configuration changes of ``dataset`` (``"patch_vote_v<V>"`` shares
+    ``"patch_vote"``'s); a clear error for an unknown name."""
+    key = "patch_vote" if data_lib.patch_vote_options(dataset) is not None else dataset
+    if key not in _DATASET_SHAPES:
+        raise InputError(f"Unknown dataset {dataset!r}; expected one of: {', '.join(_DATASET_SHAPES)} "
+                         "(or patch_vote_v<V>).")
+    return dict(_DATASET_SHAPES[key])
 
 _MODEL_SCALE = {
     "quick": dict(dim=64, depth=4, heads=4, mlp_dim=128, num_experts=8),
@@ -133,7 +153,8 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
 
     Args:
       scale: ``"quick"``, ``"full"`` or None (:func:`default_scale`).
-      dataset: one of ``mini_moe.data.DATASETS``.
+      dataset: one of ``mini_moe.data.DATASETS`` (or ``"patch_vote_v<V>"``). ``"patch_vote"``
+        has a model and a schedule of its own (width 64, MLPs of 64, 2,000 steps) at both scales.
       router: a router name (``mini_moe.ROUTERS``) or None for the dense ViT.
       **overrides: TrainConfig fields, or ModelConfig fields prefixed with ``model_``
         (e.g. ``model_num_experts=4``, ``model_router_kwargs={"k": 2}``).
@@ -141,9 +162,7 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
     scale = default_scale() if scale is None else scale
     if scale not in SCALES:
         raise InputError(f"scale must be one of {SCALES}, got {scale!r}.")
-    if dataset not in _DATASET_SHAPES:
-        raise InputError(f"Unknown dataset {dataset!r}; expected one of: {', '.join(_DATASET_SHAPES)}.")
-    shape = dict(_DATASET_SHAPES[dataset])
+    shape = dataset_shape(dataset)
     model_fields = dict(
         image_size=shape["image_size"], channels=shape["channels"], num_classes=shape["num_classes"],
         patch_size=shape["patch"][scale], router=router,
@@ -151,7 +170,7 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
         dtype=default_dtype(scale),
         **{**_MODEL_SCALE[scale], **shape.get("model", {}).get(scale, {})},
     )
-    train_fields = dict(_TRAIN_SCALE[scale], dataset=dataset)
+    train_fields = dict(_TRAIN_SCALE[scale], **shape.get("train", {}).get(scale, {}), dataset=dataset)
     valid_train = {f.name for f in dataclasses.fields(TrainConfig)} - {"model"}
     valid_model = {f.name for f in dataclasses.fields(ModelConfig)}
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}

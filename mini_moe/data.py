@@ -13,6 +13,11 @@ Datasets (:func:`load`), in the order "works offline first" (DESIGN.md, Section 
 * ``"cifar10"``, ``"cifar100"`` — 32x32x3, 50000 / 10000, through tensorflow-datasets'
   ``tfds.data_source`` (random access to prepared ArrayRecord files; TensorFlow is not
   needed to read them). Install with ``pip install "mini_moe[tfds]"``.
+* ``"patch_vote"`` — 28x28x1, 60000 / 10000, synthetic (:func:`patch_vote`): a task built
+  to need capacity, generated with NumPy in about a second, no files, no network.
+  ``"patch_vote_v<V>"`` (e.g. ``"patch_vote_v512"``) is the same task with a vocabulary of
+  V patches instead of 4096; the names in :data:`DATASETS` are the ones the command line
+  offers, :func:`load` accepts any V >= 10.
 
 Every :class:`Dataset` holds ``images`` as ``float32 [N, H, W, C]`` in ``[0, 1]`` and
 ``labels`` as ``int32 [N]``.
@@ -27,10 +32,12 @@ paper 004) lives in :mod:`mini_moe.augment`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import math
 import os
 import pathlib
+import re
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -39,10 +46,13 @@ from mini_moe.validate import DataNotFoundError, InputError, MissingPackageError
 
 __all__ = [
     "DATASETS", "Dataset", "load", "read_idx", "normalize", "batches", "num_batches",
+    "patch_vote", "patch_vote_vocabulary", "patch_vote_options", "patch_vote_patch_values",
 ]
 
-#: The datasets :func:`load` knows.
-DATASETS = ("digits", "fashion_mnist", "cifar10", "cifar100")
+#: The datasets :func:`load` knows (and the command line offers). :func:`load` also accepts
+#: ``"patch_vote_v<V>"`` for any vocabulary size V >= 10 (:func:`patch_vote_options`).
+DATASETS = ("digits", "fashion_mnist", "cifar10", "cifar100",
+            "patch_vote", "patch_vote_v512", "patch_vote_v1024", "patch_vote_v16384")
 SPLITS = ("train", "test")
 
 #: Where Debian's package ``dataset-fashion-mnist`` installs the four ``.gz`` IDX files.
@@ -84,7 +94,7 @@ class Dataset:
       images: ``float32 [N, H, W, C]``, values in ``[0, 1]``.
       labels: ``int32 [N]``, values in ``[0, num_classes)``.
       num_classes: number of classes.
-      name: one of :data:`DATASETS`.
+      name: one of :data:`DATASETS` (or a ``"patch_vote_v<V>"``).
       split: ``"train"`` or ``"test"``.
     """
 
@@ -125,13 +135,14 @@ def load(name: str, split: str = "train", *, data_dir: str | os.PathLike | None 
     """Loads one split of a dataset into memory.
 
     Args:
-      name: one of :data:`DATASETS`.
+      name: one of :data:`DATASETS`, or ``"patch_vote_v<V>"`` (:func:`patch_vote` with
+        ``vocab_size=V``; ``"patch_vote"`` is V = 4096).
       split: ``"train"`` or ``"test"``.
       data_dir: for ``"fashion_mnist"``, a folder with the four IDX files (plain or
         ``.gz``); if they are not there, it is used as the tensorflow-datasets
         ``data_dir``. For ``"cifar10"`` / ``"cifar100"``, the tensorflow-datasets
         ``data_dir`` (default ``~/tensorflow_datasets`` or ``$TFDS_DATA_DIR``).
-        Ignored for ``"digits"``.
+        Ignored for ``"digits"`` and ``"patch_vote"``.
 
     Returns:
       A :class:`Dataset` with ``float32 [N, H, W, C]`` images in ``[0, 1]`` and
@@ -142,10 +153,14 @@ def load(name: str, split: str = "train", *, data_dir: str | os.PathLike | None 
       FileNotFoundError: the data is not available; the message says how to get it.
       ImportError: CIFAR needs tensorflow-datasets, which is not installed.
     """
-    if name not in DATASETS:
-        raise InputError(f"unknown dataset name {name!r}; expected one of {DATASETS}")
+    vote = patch_vote_options(name) if isinstance(name, str) else None
+    if name not in DATASETS and vote is None:
+        raise InputError(f"unknown dataset name {name!r}; expected one of {DATASETS} "
+                         "or 'patch_vote_v<V>' (V >= 10: the vocabulary size)")
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}; expected 'train' or 'test'")
+    if vote is not None:
+        return dataclasses.replace(patch_vote(split, **vote), name=name)
     if name == "digits":
         images, labels = _load_digits(split)
     elif name == "fashion_mnist":
@@ -288,6 +303,164 @@ def _to_unit_float(images: np.ndarray) -> np.ndarray:
     out = images.astype(np.float32)
     np.divide(out, 255.0, out=out)
     return out
+
+
+# --------------------------------------------------------------------------------------
+# patch_vote: a synthetic task that needs capacity
+# --------------------------------------------------------------------------------------
+
+PATCH_VOTE_VOCAB = 4096  # V of "patch_vote"
+PATCH_VOTE_GRID = 4  # the image is a 4x4 grid of patches
+PATCH_VOTE_PATCH = 7  # of 7x7 pixels: 28x28 images, 16 patches
+PATCH_VOTE_VOTES = 6  # patches that carry the label's value
+PATCH_VOTE_MAX_OTHER = 3  # most patches any other value may have
+_PATCH_VOTE_NAME = re.compile(r"patch_vote(?:_v([0-9]+))?")
+
+
+def patch_vote_options(name: str) -> dict | None:
+    """The :func:`patch_vote` options a dataset name stands for: ``{"vocab_size": 4096}`` for
+    ``"patch_vote"``, ``{"vocab_size": V}`` for ``"patch_vote_v<V>"``, None for any other name.
+    The vocabulary size is checked by :func:`patch_vote`."""
+    match = _PATCH_VOTE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    return {"vocab_size": PATCH_VOTE_VOCAB if match.group(1) is None else int(match.group(1))}
+
+
+def _check_option(name: str, value, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+        raise InputError(f"patch_vote: {name} must be an integer >= {low}, got {value!r}.")
+    return int(value)
+
+
+@functools.lru_cache(maxsize=4)
+def patch_vote_vocabulary(vocab_size: int = PATCH_VOTE_VOCAB, seed: int = 0
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """The vocabulary of :func:`patch_vote`: ``(patches float32 [V, 7, 7] in [0, 1],
+    values int32 [V] in 0..9)``, read-only arrays, the same for every call with these
+    arguments.
+
+    Each patch is ``clip(0.5 + z / 8, 0, 1)`` of a standard Gaussian ``z`` (an affine map
+    that clips only beyond 4 standard deviations, about 6 pixels in 100,000). The values are
+    a random permutation of ``0, 1, ..., 9, 0, 1, ...``: every value has ``V // 10`` or
+    ``V // 10 + 1`` patches (so every value exists when V >= 10).
+    """
+    vocab_size = _check_option("vocab_size", vocab_size, 10)
+    seed = _check_option("seed", seed, 0)
+    rng = np.random.default_rng((seed, 0))
+    z = rng.standard_normal((vocab_size, PATCH_VOTE_PATCH, PATCH_VOTE_PATCH))
+    patches = np.clip(0.5 + z / 8.0, 0.0, 1.0).astype(np.float32)
+    values = rng.permutation(np.arange(vocab_size) % 10).astype(np.int32)
+    patches.flags.writeable = False
+    values.flags.writeable = False
+    return patches, values
+
+
+def patch_vote(split: str = "train", *, vocab_size: int = PATCH_VOTE_VOCAB, num_train: int = 60000,
+               num_test: int = 10000, seed: int = 0) -> Dataset:
+    """A synthetic 10-class image task that needs a per-patch lookup table: chapter 9's
+    controlled task (tokens from known sub-tasks) lifted to pixels.
+
+    Each 28x28x1 image is a 4x4 grid of 7x7 patches, each drawn from a fixed vocabulary of
+    V random Gaussian patches (:func:`patch_vote_vocabulary`); every vocabulary patch has a
+    value in 0..9. The label is the value that exactly 6 of the 16 patches share; the other
+    10 patches have other values, none of which appears more than 3 times, so the label is
+    the value of the (unique) majority. Per image: the label uniform in 0..9, the other 10
+    values uniform over the 9 others (drawn again while one appears 4 or more times), each
+    patch uniform among the vocabulary patches of its value, the 16 in a random order.
+
+    What it tests: to classify, a model must recognise each patch (a table of V entries:
+    patch -> value; the patches are random, so nothing generalises from one patch to
+    another) and then count the values over the image. With the 7x7 patches of the ViT
+    configuration each patch is one token, so the table is a per-token map, exactly what an
+    MLP (or MoE) layer computes. A dense MLP of fixed width can hold only so much of a table
+    of V entries; E experts of the same width, each one seeing the tokens routed to it, hold
+    about E times more at the same activated FLOPs. Here capacity, not optimisation or data,
+    is the limit, so it is a positive control for routing: a sparse MoE should beat the
+    dense model of equal activated FLOPs, and the gap should grow with V. A router that
+    mixes tokens (Soft MoE's slots are weighted averages of tokens) blurs a per-token table.
+    Train and test images come from the same vocabulary (the table is learnable), the
+    images themselves are different draws.
+
+    Deterministic: the vocabulary depends only on ``(vocab_size, seed)``, the training
+    images on ``(vocab_size, num_train, seed)``, the test images on ``(vocab_size, num_test,
+    seed)``. Both splits are generated once per process (``functools.lru_cache``) and held
+    as read-only arrays.
+
+    Args:
+      split: ``"train"`` or ``"test"``.
+      vocab_size: V >= 10, the number of vocabulary patches.
+      num_train, num_test: images per split (>= 1).
+      seed: the seed of the vocabulary and of the images (>= 0).
+
+    Returns:
+      A :class:`Dataset`: ``float32 [N, 28, 28, 1]`` images in ``[0, 1]`` (the vocabulary's
+      pixels, unchanged) and ``int32 [N]`` labels; ``name="patch_vote"``.
+
+    Raises:
+      ValueError: a bad ``split`` or option; the message names it.
+    """
+    if split not in SPLITS:
+        raise InputError(f"patch_vote: unknown split {split!r}; expected 'train' or 'test'")
+    vocab_size = _check_option("vocab_size", vocab_size, 10)
+    counts = {"train": _check_option("num_train", num_train, 1), "test": _check_option("num_test", num_test, 1)}
+    seed = _check_option("seed", seed, 0)
+    images, labels = _patch_vote_split(vocab_size, counts[split], seed, SPLITS.index(split) + 1)
+    return Dataset(images=images, labels=labels, num_classes=10, name="patch_vote", split=split)
+
+
+def patch_vote_patch_values(images: np.ndarray, vocab_size: int = PATCH_VOTE_VOCAB, seed: int = 0
+                            ) -> np.ndarray:
+    """The value (0..9) of each of the 16 patches of ``images`` ``[N, 28, 28, 1]`` (row-major
+    grid order), found by looking every patch up in the vocabulary; ``-1`` for a patch that
+    is not a vocabulary patch (an image of another vocabulary). Returns ``int32 [N, 16]``."""
+    patches, values = patch_vote_vocabulary(vocab_size, seed)
+    g, p = PATCH_VOTE_GRID, PATCH_VOTE_PATCH
+    images = np.asarray(images, np.float32).reshape(-1, g, p, g, p)
+    tiles = images.transpose(0, 1, 3, 2, 4).reshape(-1, p * p)  # [N * 16, 49]
+    vocab = patches.reshape(-1, p * p)
+    w = np.random.default_rng(12345).standard_normal(p * p)  # a random projection as a hash key
+    keys, tile_keys = vocab.astype(np.float64) @ w, tiles.astype(np.float64) @ w
+    order = np.argsort(keys)
+    at = np.clip(np.searchsorted(keys[order], tile_keys), 0, len(keys) - 1)
+    index = order[at]
+    found = np.all(vocab[index] == tiles, axis=1)  # exact match, not just the hash
+    return np.where(found, values[index], -1).astype(np.int32).reshape(-1, g * g)
+
+
+@functools.lru_cache(maxsize=4)
+def _patch_vote_split(vocab_size: int, count: int, seed: int, stream: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` images and labels of the random stream ``stream`` (1: train, 2: test)."""
+    patches, values = patch_vote_vocabulary(vocab_size, seed)
+    rng = np.random.default_rng((seed, stream))
+    labels = rng.integers(0, 10, size=count)
+    # The 10 other values: uniform over the 9 values != label, redrawn while one is too common.
+    others = np.empty((count, 16 - PATCH_VOTE_VOTES), np.int64)
+    todo = np.arange(count)
+    while todo.size:
+        draw = rng.integers(0, 9, size=(todo.size, others.shape[1]))
+        draw += draw >= labels[todo, None]  # skip the label's value
+        most = (draw[..., None] == np.arange(10)).sum(axis=1).max(axis=1)
+        ok = most <= PATCH_VOTE_MAX_OTHER
+        others[todo[ok]] = draw[ok]
+        todo = todo[~ok]
+    cell_values = np.concatenate([np.repeat(labels[:, None], PATCH_VOTE_VOTES, axis=1), others], axis=1)
+    shuffle = np.argsort(rng.random(cell_values.shape), axis=1)  # a random order of the 16 patches
+    cell_values = np.take_along_axis(cell_values, shuffle, axis=1)
+    # Each patch uniform among the vocabulary patches of its value.
+    by_value = np.argsort(values, kind="stable")
+    sizes = np.bincount(values, minlength=10)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    pick = (rng.random(cell_values.shape) * sizes[cell_values]).astype(np.int64)
+    index = by_value[starts[cell_values] + pick]  # [N, 16]
+    g, p = PATCH_VOTE_GRID, PATCH_VOTE_PATCH
+    images = patches[index].reshape(count, g, g, p, p).transpose(0, 1, 3, 2, 4)
+    images = np.ascontiguousarray(images.reshape(count, g * p, g * p, 1))
+    labels = labels.astype(np.int32)
+    images.flags.writeable = False
+    labels.flags.writeable = False
+    return images, labels
 
 
 # --------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Tests of mini_moe.data: datasets, batches, augmentation geometry, patch correspondence."""
 
+import dataclasses
 import gzip
 import struct
 import sys
@@ -176,6 +177,113 @@ def test_cifar_without_tfds_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
     with pytest.raises(ImportError, match=r'pip install "mini_moe\[tfds\]"'):
         data.load("cifar10")
+
+
+# ---------------------------------------------------------------------- patch_vote
+
+
+def _vote_rule_holds(values, labels):
+    """Per image: the label's value appears exactly 6 times, every other value at most 3."""
+    counts = (values[..., None] == np.arange(10)).sum(axis=1)  # [N, 10]
+    label_count = counts[np.arange(len(labels)), labels]
+    counts[np.arange(len(labels)), labels] = 0
+    return (label_count == 6) & (counts.max(axis=1) <= 3)
+
+
+def test_patch_vote_label_rule_holds_for_every_image():
+    for split, n in (("train", 60000), ("test", 10000)):
+        ds = data.load("patch_vote", split)
+        values = data.patch_vote_patch_values(ds.images)  # each patch looked up in the vocabulary
+        assert values.shape == (n, 16) and values.min() >= 0  # every patch is a vocabulary patch
+        assert _vote_rule_holds(values, ds.labels).all()
+        assert set(np.unique(ds.labels)) == set(range(10))
+    # The check itself can fail: a label moved to another value breaks the rule.
+    assert not _vote_rule_holds(values[:100], (ds.labels[:100] + 1) % 10).any()
+
+
+def test_patch_vote_shapes_dtypes_and_range():
+    train, test = data.load("patch_vote"), data.load("patch_vote", "test")
+    assert train.images.shape == (60000, 28, 28, 1) and test.images.shape == (10000, 28, 28, 1)
+    for ds in (train, test):
+        assert ds.images.dtype == np.float32 and ds.labels.dtype == np.int32
+        assert 0.0 <= ds.images.min() and ds.images.max() <= 1.0
+        assert ds.num_classes == 10 and ds.image_size == 28 and ds.channels == 1
+        assert not ds.images.flags.writeable and not ds.labels.flags.writeable  # a shared cache
+    patches, values = data.patch_vote_vocabulary()
+    assert patches.shape == (4096, 7, 7) and patches.dtype == np.float32
+    assert np.array_equal(np.bincount(values), np.full(10, 4096 // 10) + (np.arange(10) < 4096 % 10))
+    z = (patches - 0.5) * 8  # the documented transform of standard Gaussian pixels
+    assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
+
+
+def test_patch_vote_is_deterministic_and_splits_share_the_vocabulary():
+    a = data.patch_vote("test", vocab_size=64, num_test=500, seed=3)
+    data._patch_vote_split.cache_clear()
+    data.patch_vote_vocabulary.cache_clear()
+    b = data.patch_vote("test", vocab_size=64, num_test=500, seed=3)
+    assert a.images is not b.images  # generated again, not the cached arrays
+    np.testing.assert_array_equal(a.images, b.images)
+    np.testing.assert_array_equal(a.labels, b.labels)
+    other = data.patch_vote("test", vocab_size=64, num_test=500, seed=4)
+    assert not np.array_equal(other.images, a.images)
+    # Train and test images are different draws from the one vocabulary.
+    train = data.patch_vote("train", vocab_size=64, num_train=2000, seed=3)
+    assert data.patch_vote_patch_values(train.images, 64, 3).min() >= 0
+    assert data.patch_vote_patch_values(a.images, 64, 3).min() >= 0
+    assert data.patch_vote_patch_values(a.images, 64, 4).max() == -1  # not another seed's vocabulary
+    assert not np.array_equal(train.images[:500], a.images)
+    # The number of training images does not change the test images, nor the vocabulary.
+    np.testing.assert_array_equal(data.patch_vote("test", vocab_size=64, num_train=7, num_test=500, seed=3).images,
+                                  a.images)
+
+
+def test_patch_vote_names_select_the_vocabulary():
+    assert data.patch_vote_options("patch_vote") == {"vocab_size": 4096}
+    assert data.patch_vote_options("patch_vote_v512") == {"vocab_size": 512}
+    assert data.patch_vote_options("patch_vote_512") is None and data.patch_vote_options("digits") is None
+    ds = data.load("patch_vote_v100", "test")  # any V, not only the names in DATASETS
+    assert ds.name == "patch_vote_v100" and len(ds) == 10000
+    values = data.patch_vote_patch_values(ds.images, 100)
+    assert values.min() >= 0 and _vote_rule_holds(values, ds.labels).all()
+    assert len(np.unique(ds.images.reshape(-1, 4, 7, 4, 7).transpose(0, 1, 3, 2, 4).reshape(-1, 49), axis=0)) == 100
+    for name in data.DATASETS:
+        if name.startswith("patch_vote"):
+            assert data.patch_vote_options(name) is not None
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(vocab_size=9), "vocab_size"), (dict(vocab_size=64.0), "vocab_size"), (dict(vocab_size=True), "vocab_size"),
+    (dict(num_train=0), "num_train"), (dict(num_test=-5), "num_test"), (dict(seed=-1), "seed"),
+    (dict(seed="a"), "seed"),
+])
+def test_patch_vote_bad_options_name_the_argument(kwargs, argument):
+    with pytest.raises(ValueError, match=argument):
+        data.patch_vote("train", **kwargs)
+
+
+def test_patch_vote_bad_names_and_splits():
+    with pytest.raises(ValueError, match="vocab_size"):
+        data.load("patch_vote_v5")
+    with pytest.raises(ValueError, match="patch_vote_v<V>"):
+        data.load("patch_vote_x")
+    with pytest.raises(ValueError, match="'train' or 'test'"):
+        data.patch_vote("validation")
+
+
+def test_patch_vote_has_its_own_configuration():
+    from mini_moe import config
+
+    cfg = config.get_config("quick", dataset="patch_vote", router=None)
+    m = cfg.model
+    assert (m.image_size, m.channels, m.num_classes, m.patch_size) == (28, 1, 10, 7)  # one patch per token
+    assert (m.dim, m.mlp_dim, cfg.steps) == (64, 64, 2000)
+    assert config.get_config("quick", dataset="patch_vote_v512", router=None) == dataclasses.replace(
+        cfg, dataset="patch_vote_v512")
+    # The other datasets keep their quick model.
+    fm = config.get_config("quick", dataset="fashion_mnist", router=None)
+    assert (fm.model.dim, fm.model.mlp_dim, fm.model.patch_size, fm.steps) == (128, 256, 7, 1500)
+    with pytest.raises(ValueError, match="patch_vote_v<V>"):
+        config.get_config("quick", dataset="imagenet")
 
 
 # -------------------------------------------------------------- normalize and batches

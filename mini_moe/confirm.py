@@ -1,0 +1,260 @@
+"""The pre-registered confirmatory router study on ``patch_vote`` (issue 25, section 3).
+
+Everything the analysis depends on is fixed here, before any confirmatory result, and stated
+in ``mini_moe/results/patch_vote-preregistration.md``: the task and model (:data:`DATASET`,
+:data:`OVERRIDES`, the ``patch_vote`` configuration of :mod:`mini_moe.config`), the arms
+(:data:`ARMS`), the seeds (:data:`SEEDS`), the contrasts (:data:`CONTRASTS`, the arm whose
+advantage the contrast claims first, so a positive ``difference`` favours it), Holm's
+correction and the TOST equivalence bound (:data:`BOUND`).
+
+One cell is one training run (:func:`mini_moe.study.cell_config` + :func:`mini_moe.study.run_cell`)
+in its own folder, resumable from its checkpoints; the cells run seed by seed (every arm of a
+seed, then the next seed), so a run stopped at any point holds complete paired seeds.
+:func:`collect` gathers the finished cells, with those already in the committed JSON, into
+``mini_moe/results/patch_vote-confirmatory-<machine>.json`` and tests the contrasts on the seeds
+whose every arm has finished. ``bash mini_moe/results/patch_vote.sh`` runs the cells one by one
+and commits that file after each.
+
+Command line (``python -m mini_moe.confirm``)::
+
+    todo --dest JSON          the cells not yet in JSON, in order, one name per line
+    run NAME --out DIR        train (or resume) one cell; DIR/NAME/result.json
+    collect --out DIR --dest JSON   rewrite JSON from it and DIR's finished cells
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import statistics
+import subprocess
+import sys
+
+from mini_moe import study
+from mini_moe.validate import InputError
+
+DATASET = "patch_vote"  # V = 4096 patches (mini_moe.data.patch_vote)
+SCALE = "quick"  # the patch_vote model: dim 64, depth 4, heads 4, MLPs and experts of 64, E = 8
+#: Identical for every arm, fixed in advance (not tuned per router): 2,000 steps of batch 128,
+#: AdamW at 2e-3 with 100 warm-up steps then cosine decay, aux-loss weight 0.01.
+OVERRIDES = {"steps": 2000, "learning_rate": 2e-3, "warmup_steps": 100, "eval_every": 500}
+#: (router or None for the dense ViT, capacity factor c), in the order each seed runs them.
+ARMS = (
+    (None, 1.0),
+    ("softmax_token_choice", 1.0),
+    ("softmax_expert_choice", 1.0),
+    ("sinkhorn_token_choice", 1.0),
+    ("soft_moe", 1.0),
+    ("softmax_expert_choice", 0.5),
+)
+#: New seeds: the pilot used 0-2.
+SEEDS = tuple(range(100, 110))
+#: (name, claim, source, first arm, second arm); difference = first - second.
+CONTRASTS = (
+    ("positive_control", "Softmax Expert Choice (c = 1) beats the dense ViT of equal activated FLOPs",
+     "V-MoE; issue 25's pilot", ("softmax_expert_choice", 1.0), ("dense", 1.0)),
+    ("ec_vs_tc", "Softmax Expert Choice beats Softmax Token Choice (c = 1)",
+     "paper 000, Figures 1-2", ("softmax_expert_choice", 1.0), ("softmax_token_choice", 1.0)),
+    ("sinkhorn_vs_softmax", "Sinkhorn Token Choice beats Softmax Token Choice (c = 1)",
+     "paper 000, Figure 1", ("sinkhorn_token_choice", 1.0), ("softmax_token_choice", 1.0)),
+    ("soft_vs_ec", "Soft MoE beats Softmax Expert Choice (c = 1)",
+     "paper 000, Section 5", ("soft_moe", 1.0), ("softmax_expert_choice", 1.0)),
+    ("soft_vs_tc", "Soft MoE beats Softmax Token Choice (c = 1)",
+     "paper 000, Section 5", ("soft_moe", 1.0), ("softmax_token_choice", 1.0)),
+    ("ec_half_vs_tc", "Softmax Expert Choice at c = 0.5 beats Softmax Token Choice at c = 1",
+     "paper 003; paper 000", ("softmax_expert_choice", 0.5), ("softmax_token_choice", 1.0)),
+)
+METRIC = "test_accuracy"  # the primary metric (a fraction; differences are reported in it)
+ALPHA = 0.05
+BOUND = 0.005  # TOST equivalence bound: +-0.5 accuracy points
+PREREGISTRATION = "mini_moe/results/patch_vote-preregistration.md"
+
+
+def plan() -> list[tuple[str | None, float, int]]:
+    """Every cell ``(router, capacity, seed)``, seed-major."""
+    return [(router, capacity, seed) for seed in SEEDS for router, capacity in ARMS]
+
+
+def cell_names() -> dict[str, tuple[str | None, float, int]]:
+    """The cells by name (:func:`mini_moe.study.cell_name`), in :func:`plan` order."""
+    return {study.cell_name(*cell): cell for cell in plan()}
+
+
+def config(router, capacity, seed):
+    """The :class:`~mini_moe.config.TrainConfig` of one cell."""
+    return study.cell_config(router, capacity, seed, dataset=DATASET, scale=SCALE, **OVERRIDES)
+
+
+def _git(*args) -> str | None:
+    try:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def run(name: str, out) -> dict:
+    """Train (or resume, or just read) the cell ``name``; its ``result.json`` gets the git commit
+    of the code that trained it (``source_commit``; ``source_dirty``: uncommitted changes)."""
+    cells = cell_names()
+    if name not in cells:
+        raise InputError(f"Unknown cell {name!r}; the plan has {len(cells)} cells, e.g. {next(iter(cells))!r}.")
+    router, capacity, seed = cells[name]
+    folder = pathlib.Path(out) / name
+    done = (folder / "result.json").exists()
+    result = study.run_cell(config(router, capacity, seed), folder, progress=False, label=router, capacity=capacity)
+    if not done:
+        status = _git("status", "--porcelain", "--", "mini_moe")
+        result |= {"source_commit": _git("rev-parse", "HEAD"), "source_dirty": bool(status)}
+        (folder / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _key(cell: dict) -> tuple:
+    return (cell["router"], float(cell["capacity"]), int(cell["seed"]))
+
+
+def tost(differences, bound: float) -> float:
+    """Two one-sided paired t-tests of equivalence: the p-value of "the mean difference lies
+    within ``(-bound, +bound)``", the larger of the p-values of H0: mean <= -bound and
+    H0: mean >= +bound (Schuirmann 1987), Student's t with n - 1 degrees of freedom."""
+    from scipy import stats
+
+    d = [float(x) for x in differences]
+    if len(d) < 2:
+        return math.nan
+    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(len(d))
+    if se == 0:
+        return 0.0 if abs(mean) < bound else 1.0
+    lower = float(stats.t.sf((mean + bound) / se, len(d) - 1))  # H0: mean <= -bound
+    upper = float(stats.t.cdf((mean - bound) / se, len(d) - 1))  # H0: mean >= +bound
+    return max(lower, upper)
+
+
+def comparisons(cells: list[dict]) -> tuple[list[int], list[dict]]:
+    """The contrasts on the complete seeds (every arm finished): ``(seeds, rows)``.
+
+    Each row: ``name``, ``claim``, ``source``, ``arms`` (first, second: a positive
+    ``difference`` favours the first), the :func:`mini_moe.study.paired_t` statistics of the
+    per-seed differences (``difference``, ``stderr``, ``ci_low``, ``ci_high``, ``t``, ``df``,
+    ``pairs``), ``p`` (two-sided), ``p_holm`` (Holm over the contrasts), ``tost_p`` and
+    ``tost_p_holm`` (equivalence within +-:data:`BOUND`, Holm over the contrasts) and the
+    ``verdict``. No rows before two complete seeds.
+    """
+    acc = {_key(c): c[METRIC] for c in cells}
+    arms = [("dense" if r is None else r, c) for r, c in ARMS]
+    seeds = sorted({s for *_, s in acc} & set(SEEDS))
+    seeds = [s for s in seeds if all((*arm, s) in acc for arm in arms)]
+    if len(seeds) < 2:
+        return seeds, []
+    rows = []
+    for name, claim, source, first, second in CONTRASTS:
+        diffs = [acc[(*first, s)] - acc[(*second, s)] for s in seeds]
+        stats_ = study.paired_t(diffs)
+        rows.append({"name": name, "claim": claim, "source": source,
+                     "arms": [{"router": first[0], "capacity": first[1]}, {"router": second[0], "capacity": second[1]}],
+                     **{k: v for k, v in stats_.items() if k != "p_value"}, "p": stats_["p_value"],
+                     "tost_p": tost(diffs, BOUND), "differences": diffs})
+    for key in ("p", "tost_p"):
+        for row, adjusted in zip(rows, study.holm([row[key] for row in rows])):
+            row[key + "_holm"] = adjusted
+    for row in rows:
+        row["verdict"] = verdict(row)
+    return seeds, rows
+
+
+def verdict(row: dict) -> str:
+    """One line: the difference, and which of "first arm higher", "second arm higher",
+    "equivalent within +-0.5 points" or "inconclusive" the Holm-adjusted tests support."""
+    first, second = (f"{a['router']} (c = {a['capacity']:g})" for a in row["arms"])
+    diff = f"{100 * row['difference']:+.2f} points (95 % CI [{100 * row['ci_low']:+.2f}, {100 * row['ci_high']:+.2f}])"
+    words = []
+    if row["p_holm"] < ALPHA:
+        words.append(f"{first if row['difference'] > 0 else second} higher (p_Holm = {row['p_holm']:.2g})")
+    if row["tost_p_holm"] < ALPHA:
+        words.append(f"equivalent within +-{100 * BOUND:g} points (TOST p_Holm = {row['tost_p_holm']:.2g})")
+    if not words:
+        words.append(f"inconclusive (p_Holm = {row['p_holm']:.2g}, TOST p_Holm = {row['tost_p_holm']:.2g})")
+    return f"{diff}: " + "; ".join(words)
+
+
+_CELL_FIELDS = ("router", "capacity", "seed", "steps", "test_accuracy", "ten_shot_accuracy", "train_seconds",
+                "wall_seconds", "step_flops", "train_flops", "mechanisms", "eval", "source_commit", "source_dirty")
+
+
+def collect(out, dest, *, command: str | None = None) -> dict:
+    """Rewrite ``dest`` from its own cells and the finished cells under ``out``; returns it."""
+    from mini_moe import bench
+
+    dest, out = pathlib.Path(dest), pathlib.Path(out)
+    old = json.loads(dest.read_text()) if dest.exists() else {}
+    cells = {_key(c): c for c in old.get("cells", [])}
+    for name, cell in cell_names().items():
+        path = out / name / "result.json"
+        if path.exists():
+            result = json.loads(path.read_text())
+            cells[_key(result)] = {k: result[k] for k in _CELL_FIELDS if k in result}
+    order = {(("dense" if r is None else r), c, s): i for i, (r, c, s) in enumerate(plan())}
+    cells = sorted(cells.values(), key=lambda c: order.get(_key(c), len(order)))
+    seeds, rows = comparisons(cells)
+    cfg = config(None, 1.0, SEEDS[0])
+    results = {
+        "what": "issue 25: the pre-registered confirmatory router study on patch_vote (mini_moe.confirm)",
+        "preregistration": PREREGISTRATION,
+        "preregistration_commit": old.get("preregistration_commit") or _git("log", "-1", "--format=%H", "--",
+                                                                            PREREGISTRATION),
+        "command": command or old.get("command"),
+        "machine": old.get("machine") or bench.machine(),
+        "dataset": DATASET, "scale": SCALE, "overrides": OVERRIDES,
+        "dense_config": json.loads(json.dumps(dataclasses.asdict(cfg), default=list)),
+        "arms": [{"router": "dense" if r is None else r, "capacity": c} for r, c in ARMS],
+        "seeds": list(SEEDS), "planned_cells": len(plan()), "finished_cells": len(cells),
+        "metric": METRIC, "alpha": ALPHA, "tost_bound": BOUND, "complete_seeds": seeds,
+        "wall_seconds": round(sum(c.get("wall_seconds", 0.0) for c in cells), 1),
+        "summary": study.summarize(cells) if cells else [],
+        "cells": cells,
+        "comparisons": rows,
+    }
+    dest.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mini_moe.confirm", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    todo = sub.add_parser("todo", help="the cells not yet in --dest, in order")
+    todo.add_argument("--dest", required=True)
+    one = sub.add_parser("run", help="train (or resume) one cell")
+    one.add_argument("name")
+    one.add_argument("--out", required=True)
+    gather = sub.add_parser("collect", help="rewrite --dest from it and --out's finished cells")
+    gather.add_argument("--out", required=True)
+    gather.add_argument("--dest", required=True)
+    gather.add_argument("--command", default=None, help="the command that runs the study, recorded in --dest")
+    args = parser.parse_args(argv)
+    try:
+        if args.what == "todo":
+            path = pathlib.Path(args.dest)
+            have = {_key(c) for c in json.loads(path.read_text())["cells"]} if path.exists() else set()
+            for name, (router, capacity, seed) in cell_names().items():
+                if (router or "dense", capacity, seed) not in have:
+                    print(name)
+        elif args.what == "run":
+            r = run(args.name, args.out)
+            print(f"{args.name}: test accuracy {100 * r['test_accuracy']:.2f} %, {r['steps']} steps, "
+                  f"{r['train_seconds']:.0f} s training, {r['wall_seconds']:.0f} s in all", flush=True)
+        else:
+            r = collect(args.out, args.dest, command=args.command)
+            print(f"{r['finished_cells']}/{r['planned_cells']} cells, complete seeds {r['complete_seeds']}")
+            for row in r["comparisons"]:
+                print(f"  {row['name']:22s} {row['verdict']}")
+    except InputError as e:
+        print(f"mini_moe.confirm: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 25's pre-registered confirmatory router study on patch_vote (mini_moe/confirm.py fixes the
+# design; mini_moe/results/patch_vote-preregistration.md states it): the dense ViT and five router
+# arms, seed by seed. After every finished cell the results JSON is rewritten (cells, and the
+# contrasts on the complete seeds) and committed alone. Stop it at any time; the same command
+# continues (an interrupted cell resumes from its last checkpoint; a fresh clone skips the cells
+# already in the committed JSON). Run from the repository root after `make venv`, on one core:
+#   taskset -c 1 bash mini_moe/results/patch_vote.sh
+# About 2 minutes per cell on one core of the 2-core EPYC machine.
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-runs/patch_vote-confirmatory}
+MACHINE=${MACHINE:-cpu-2core-epyc}
+DEST=mini_moe/results/patch_vote-confirmatory-$MACHINE.json
+PREREG=mini_moe/results/patch_vote-preregistration.md
+COMMAND="taskset -c 1 bash mini_moe/results/patch_vote.sh"
+
+if [ -z "$(git log -1 --format=%H -- "$PREREG")" ]; then
+  echo "patch_vote.sh: commit $PREREG before any confirmatory result" >&2
+  exit 2
+fi
+
+commit() {  # commit $DEST alone; wait while another git command holds the index
+  local lock tries
+  lock=$(git rev-parse --git-path index.lock)
+  for tries in $(seq 1 120); do
+    if [ -e "$lock" ]; then sleep 5; continue; fi
+    if git diff --quiet HEAD -- "$DEST" 2>/dev/null && git ls-files --error-unmatch -- "$DEST" >/dev/null 2>&1; then
+      return 0  # nothing new
+    fi
+    if git add -- "$DEST" && git commit -q -m "$1" -- "$DEST"; then return 0; fi
+    sleep 5
+  done
+  echo "patch_vote.sh: could not commit $DEST" >&2
+  return 1
+}
+
+for name in $($PY -m mini_moe.confirm todo --dest "$DEST"); do
+  $PY -m mini_moe.confirm run "$name" --out "$OUT"
+  $PY -m mini_moe.confirm collect --out "$OUT" --dest "$DEST" --command "$COMMAND"
+  commit "patch_vote confirmatory study: cell $name"
+done
+$PY -m mini_moe.confirm collect --out "$OUT" --dest "$DEST" --command "$COMMAND"
+commit "patch_vote confirmatory study: every cell"

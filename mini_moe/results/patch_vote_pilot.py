@@ -1,0 +1,104 @@
+"""The exploratory pilot of issue 25 on ``patch_vote``: runs cells and records every one.
+
+Usage (from the repository root, one training at a time, pinned to one core)::
+
+    taskset -c 1 .venv/bin/python mini_moe/results/patch_vote_pilot.py GROUP [GROUP ...]
+
+Each GROUP names a list of runs (:data:`GROUPS`). Every run is one
+:func:`mini_moe.study.run_cell` of :func:`mini_moe.study.cell_config` (the confirmatory
+runner's code path), trained under ``runs/patch_vote-pilot/`` (git-ignored). After each run,
+finished or failed, its record is appended to ``mini_moe/results/patch_vote-pilot-<MACHINE>.json``
+(``MACHINE``, default ``cpu-2core-epyc``): the command, the full config, the seed, test accuracy,
+steps, seconds and the mechanism metrics, or the error. Runs already recorded are skipped, so
+the pilot resumes. The pilot is exploratory: its p-values are not a result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import sys
+import time
+import traceback
+
+from mini_moe import bench, study
+
+MACHINE = os.environ.get("MACHINE", "cpu-2core-epyc")
+OUT = pathlib.Path(f"mini_moe/results/patch_vote-pilot-{MACHINE}.json")
+RUNS = pathlib.Path("runs/patch_vote-pilot")
+
+DENSE, TC, EC = None, "softmax_token_choice", "softmax_expert_choice"
+SOFT, SINK = "soft_moe", "sinkhorn_token_choice"
+
+
+def run(router, seed, dataset="patch_vote", capacity=1.0, **overrides):
+    return dict(router=router, seed=seed, dataset=dataset, capacity=capacity, overrides=overrides)
+
+
+#: The pilot's runs, by group, in the order they were planned.
+GROUPS = {
+    # the issue's setting (dim 64, mlp 64, 2,000 steps, V = 4096): dense vs Token vs Expert Choice
+    "reproduce": [run(r, s) for s in (0, 1, 2) for r in (DENSE, EC, TC)],
+    # where MoE starts to pay: the vocabulary size V
+    "vocab": [run(r, 0, dataset=d) for d in ("patch_vote_v512", "patch_vote_v16384") for r in (DENSE, EC)],
+    # does the dense MLP's width matter? 4x (256) and 8x (512 = E x 64: the experts' parameters)
+    "width": [run(DENSE, s, model_mlp_dim=w) for w in (256, 512) for s in (0, 1)],
+    # the other arms of the pre-registration, two seeds each
+    "arms": [run(r, s, capacity=c) for s in (0, 1) for r, c in ((SINK, 1.0), (SOFT, 1.0), (EC, 0.5))],
+    # is dense still catching up? twice the steps
+    "long": [run(r, 0, steps=4000) for r in (DENSE, EC)],
+}
+
+
+def name(spec) -> str:
+    extra = "".join(f"-{k.removeprefix('model_')}{v}" for k, v in sorted(spec["overrides"].items()))
+    return f"{spec['dataset']}{extra}-{study.cell_name(spec['router'], spec['capacity'], spec['seed'])}"
+
+
+def main(groups) -> None:
+    record = json.loads(OUT.read_text()) if OUT.exists() else {
+        "what": "issue 25 pilot on patch_vote (exploratory): every run, finished or failed",
+        "machine": bench.machine(), "runs": []}
+    done = {r["name"] for r in record["runs"] if r["status"] == "ok"}
+    for group in groups:
+        for spec in GROUPS[group]:
+            run_name = name(spec)
+            if run_name in done:
+                continue
+            command = (f"taskset -c 1 .venv/bin/python mini_moe/results/patch_vote_pilot.py {group}"
+                       f"  # run {run_name}")
+            entry = {"name": run_name, "group": group, "command": command, "router": spec["router"] or "dense",
+                     "capacity": spec["capacity"], "seed": spec["seed"], "dataset": spec["dataset"],
+                     "overrides": spec["overrides"]}
+            tick = time.perf_counter()
+            try:
+                cfg = study.cell_config(spec["router"], spec["capacity"], spec["seed"], dataset=spec["dataset"],
+                                        scale="quick", **spec["overrides"])
+                entry["config"] = json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
+                result = study.run_cell(cfg, RUNS / run_name, progress=False, label=spec["router"],
+                                        capacity=spec["capacity"])
+                entry |= {"status": "ok", "test_accuracy": result["test_accuracy"],
+                          "ten_shot_accuracy": result["ten_shot_accuracy"], "steps": result["steps"],
+                          "train_seconds": result["train_seconds"], "wall_seconds": result["wall_seconds"],
+                          "step_flops": result["step_flops"], "mechanisms": result["mechanisms"],
+                          "eval": result["eval"]}
+            except Exception as e:  # recorded, the pilot goes on
+                entry |= {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc()[-2000:],
+                          "wall_seconds": round(time.perf_counter() - tick, 1)}
+            record["runs"] = [r for r in record["runs"] if r["name"] != run_name] + [entry]
+            record["machine"]["date_last"] = bench.machine()["date"]
+            OUT.write_text(json.dumps(record, indent=1) + "\n")
+            acc = entry.get("test_accuracy")
+            print(f"{run_name}: {entry['status']} acc={acc if acc is None else round(100 * acc, 2)} "
+                  f"train_s={entry.get('train_seconds')} wall_s={entry['wall_seconds']}", flush=True)
+
+
+if __name__ == "__main__":
+    unknown = [g for g in sys.argv[1:] if g not in GROUPS]
+    if unknown or len(sys.argv) < 2:
+        sys.exit(f"usage: {shlex.quote(sys.argv[0])} GROUP [GROUP ...]; groups: {', '.join(GROUPS)}")
+    main(sys.argv[1:])
