@@ -88,9 +88,9 @@ def config(router, capacity, seed):
     return study.cell_config(router, capacity, seed, dataset=DATASET, scale=SCALE, **OVERRIDES)
 
 
-def _git(*args) -> str | None:
+def _git(*args, cwd=None) -> str | None:
     try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True, cwd=cwd).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -106,8 +106,9 @@ def run(name: str, out) -> dict:
     done = (folder / "result.json").exists()
     result = study.run_cell(config(router, capacity, seed), folder, progress=False, label=router, capacity=capacity)
     if not done:
-        status = _git("status", "--porcelain", "--", "mini_moe")
-        result |= {"source_commit": _git("rev-parse", "HEAD"), "source_dirty": bool(status)}
+        source = pathlib.Path(__file__).resolve().parent  # the code that trained it (maybe a pinned worktree)
+        status = _git("status", "--porcelain", "--", ".", cwd=source)
+        result |= {"source_commit": _git("rev-parse", "HEAD", cwd=source), "source_dirty": bool(status)}
         (folder / "result.json").write_text(json.dumps(result, indent=1))
     return result
 

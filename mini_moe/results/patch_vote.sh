@@ -7,6 +7,9 @@
 # already in the committed JSON). Run from the repository root after `make venv`, on one core:
 #   taskset -c 1 bash mini_moe/results/patch_vote.sh
 # About 2 minutes per cell on one core of the 2-core EPYC machine.
+# Every cell trains with the same code: a detached worktree (runs/patch_vote-source) at SOURCE,
+# by default the commit that trained the first committed cell (HEAD before the first cell), so
+# later changes to mini_moe on main cannot reach a running study.
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-runs/patch_vote-confirmatory}
@@ -19,6 +22,20 @@ if [ -z "$(git log -1 --format=%H -- "$PREREG")" ]; then
   echo "patch_vote.sh: commit $PREREG before any confirmatory result" >&2
   exit 2
 fi
+
+if [ -z "${SOURCE:-}" ]; then
+  SOURCE=$($PY -c "import json; c = json.load(open('$DEST'))['cells']; print(c[0]['source_commit'] if c else '')" \
+    2>/dev/null || true)
+  SOURCE=${SOURCE:-$(git rev-parse HEAD)}
+fi
+TREE=runs/patch_vote-source
+if [ "$(git -C "$TREE" rev-parse HEAD 2>/dev/null || true)" != "$(git rev-parse "$SOURCE")" ]; then
+  git worktree remove --force "$TREE" 2>/dev/null || rm -rf "$TREE"
+  git worktree prune
+  git worktree add -q --detach "$TREE" "$SOURCE"
+fi
+echo "patch_vote.sh: training with the code of $(git -C "$TREE" rev-parse --short HEAD) in $TREE"
+RUN="env PYTHONPATH=$PWD/$TREE $PY"
 
 commit() {  # commit $DEST alone; wait while another git command holds the index
   local lock tries
@@ -35,10 +52,10 @@ commit() {  # commit $DEST alone; wait while another git command holds the index
   return 1
 }
 
-for name in $($PY -m mini_moe.confirm todo --dest "$DEST"); do
-  $PY -m mini_moe.confirm run "$name" --out "$OUT"
-  $PY -m mini_moe.confirm collect --out "$OUT" --dest "$DEST" --command "$COMMAND"
+for name in $($RUN -m mini_moe.confirm todo --dest "$DEST"); do
+  $RUN -m mini_moe.confirm run "$name" --out "$OUT"
+  $RUN -m mini_moe.confirm collect --out "$OUT" --dest "$DEST" --command "$COMMAND"
   commit "patch_vote confirmatory study: cell $name"
 done
-$PY -m mini_moe.confirm collect --out "$OUT" --dest "$DEST" --command "$COMMAND"
+$RUN -m mini_moe.confirm collect --out "$OUT" --dest "$DEST" --command "$COMMAND"
 commit "patch_vote confirmatory study: every cell"
