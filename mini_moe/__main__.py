@@ -217,7 +217,9 @@ def _add_subtasks(sub):
     p.add_argument("--frequencies", nargs="+", default=list(subtasks.FREQUENCIES), choices=subtasks.FREQUENCIES)
     p.add_argument("--capacities", nargs="+", type=float, default=[1.0], help="capacity factors c")
     p.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))
-    p.add_argument("--steps", type=int, default=None, help="training steps per run")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (with --patience: the most)")
+    p.add_argument("--patience", type=int, default=None,
+                   help="stop a run when its validation FVU has not improved by 1 %% within this many steps")
     p.add_argument("--out", default="runs/subtasks.json", help="JSON file (resumed if it exists)")
     p.set_defaults(func=_subtasks)
 
@@ -225,7 +227,7 @@ def _add_subtasks(sub):
 def _subtasks(args):
     from mini_moe import subtasks
 
-    overrides = {} if args.steps is None else {"steps": args.steps}
+    overrides = {key: value for key in ("steps", "patience") if (value := getattr(args, key)) is not None}
     results = subtasks.run_experiment(args.out, routers=args.routers, frequencies=args.frequencies,
                                       capacities=args.capacities, seeds=args.seeds,
                                       command="python -m mini_moe " + " ".join(args.argv), **overrides)

@@ -61,6 +61,12 @@ class SubtaskConfig:
       separation: distance of each sub-task's centre from the origin, in units of the
         within-cluster standard deviation (1).
       group_tokens: tokens per routing group T; ``groups``: groups per training batch.
+      steps: training steps, the most :func:`run` takes when ``patience`` is set.
+      patience: 0 (train all ``steps``) or the stopping rule's window: stop at the first
+        evaluation where the validation FVU has not fallen below ``(1 - tolerance)`` times its
+        best value of ``patience`` steps earlier or before (a relative improvement of
+        ``tolerance`` within the window). Validation groups are drawn apart from the test groups.
+      tolerance: the relative improvement the stopping rule asks for (0.01: 1 %).
     """
 
     router: str = "softmax_token_choice"
@@ -77,6 +83,8 @@ class SubtaskConfig:
     aux_loss_weight: float = 0.01
     eval_every: int = 100
     seed: int = 0
+    patience: int = 0
+    tolerance: float = 0.01
 
     def __post_init__(self):
         if self.router not in ("dense", "dense_wide") and self.router not in routers_lib.ROUTERS:
@@ -86,6 +94,11 @@ class SubtaskConfig:
             raise InputError(f"frequencies must be one of {FREQUENCIES}, got {self.frequencies!r}.")
         for name in ("tasks", "dim", "hidden", "group_tokens", "groups", "steps", "eval_every"):
             check_int(name, getattr(self, name))
+        check_int("patience", self.patience, 0)
+        if self.patience and self.patience % self.eval_every:
+            raise InputError(f"patience must be a multiple of eval_every={self.eval_every}, got {self.patience}.")
+        if not 0 <= self.tolerance < 1:
+            raise InputError(f"tolerance must be in [0, 1), got {self.tolerance!r}.")
         study.check_capacity(self.capacity)
 
     def probabilities(self) -> np.ndarray:
@@ -230,11 +243,16 @@ def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0, return
 
     The sub-tasks (centres and teachers) are fixed by ``data_seed`` and shared by every run;
     ``cfg.seed`` sets the layer's initialisation and the order of training tokens, so runs with
-    the same seed are paired. Returns ``{"config", "curve": [{"step", **metrics}], "final",
-    "seconds"}``; with ``return_layer``, ``(that dict, the trained layer, the test groups (x, y, task))``.
+    the same seed are paired. With ``cfg.patience`` the run stops by the rule of
+    :class:`SubtaskConfig` on validation groups (each curve entry then has ``val_fvu``), and
+    ``stopped`` says whether the rule stopped it before ``cfg.steps``. Returns ``{"config",
+    "curve": [{"step", **metrics}], "final", "steps", "stopped", "seconds"}``; with
+    ``return_layer``, ``(that dict, the trained layer, the test groups (x, y, task))``.
     """
     teacher = Teacher(cfg, data_seed)
     test = teacher.sample(np.random.default_rng(10_000 + data_seed), test_groups)
+    valid = teacher.sample(np.random.default_rng(20_000 + data_seed), test_groups) if cfg.patience else None
+    best = []  # (step, best validation FVU so far)
     rng = np.random.default_rng(cfg.seed)
     layer = SubtaskLayer(cfg, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
     optimizer = nnx.Optimizer(layer, optax.adam(cfg.learning_rate), wrt=nnx.Param)
@@ -244,9 +262,22 @@ def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0, return
         _train_step(layer, optimizer, jnp.asarray(x), jnp.asarray(y), cfg.aux_loss_weight)
         if step % cfg.eval_every == 0 or step == cfg.steps:
             curve.append({"step": step, **evaluate_layer(layer, *test, cfg.tasks)})
-    out = {"config": dataclasses.asdict(cfg), "curve": curve, "final": curve[-1],
-           "seconds": round(time.perf_counter() - tick, 2)}
+            if valid is not None:
+                curve[-1]["val_fvu"] = evaluate_layer(layer, *valid, cfg.tasks)["fvu"]
+                best.append((step, min(curve[-1]["val_fvu"], best[-1][1] if best else math.inf)))
+                if _converged(best, cfg.patience, cfg.tolerance):
+                    break
+    out = {"config": dataclasses.asdict(cfg), "curve": curve, "final": curve[-1], "steps": curve[-1]["step"],
+           "stopped": curve[-1]["step"] < cfg.steps, "seconds": round(time.perf_counter() - tick, 2)}
     return (out, layer, test) if return_layer else out
+
+
+def _converged(best: list[tuple[int, float]], patience: int, tolerance: float) -> bool:
+    """The stopping rule on ``best`` ([(step, best validation FVU up to that step)]): the best
+    value now is not below ``(1 - tolerance)`` times the best value ``patience`` steps ago."""
+    step, now = best[-1]
+    before = [value for s, value in best if s <= step - patience]
+    return bool(before) and not now < (1 - tolerance) * before[-1]
 
 
 #: The models :func:`run_experiment` can train: the dense layers and every registered router.

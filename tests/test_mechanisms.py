@@ -333,3 +333,22 @@ def test_model_bench_and_subtasks_share_one_moe_layer(monkeypatch):
                         lambda self, x, mesh=None: seen.append(type(self)) or original(self, x, mesh))
     bench.moe_layer_ms("softmax_expert_choice", "quick", repeats=1)
     assert seen and all(t is model_lib.MoeLayer for t in seen)
+
+
+def test_subtask_stopping_rule():
+    best = [(100 * i, v) for i, v in enumerate([1.0, 0.5, 0.4, 0.399, 0.398, 0.397], start=1)]
+    # At step 600 the best is 0.397; 300 steps earlier (step 300) it was 0.4: a 0.75 % gain < 1 %.
+    assert subtasks._converged(best, 300, 0.01)
+    assert not subtasks._converged(best, 300, 0.005)  # 0.75 % > 0.5 %
+    assert not subtasks._converged(best[:3], 300, 0.01)  # no value 300 steps back yet
+    assert not subtasks._converged(best, 500, 0.01)  # 1.0 -> 0.397 within 500 steps
+    cfg = subtasks.SubtaskConfig(router="softmax_expert_choice", tasks=4, dim=8, hidden=8, group_tokens=32,
+                                 groups=2, steps=3000, eval_every=50, patience=200, tolerance=0.5)
+    result = subtasks.run(cfg, test_groups=4)
+    vals = [entry["val_fvu"] for entry in result["curve"]]
+    assert result["stopped"] and result["steps"] == result["curve"][-1]["step"] < cfg.steps
+    best = [(e["step"], min(vals[:i + 1])) for i, e in enumerate(result["curve"])]
+    assert subtasks._converged(best, 200, 0.5)  # it stopped because the rule fired ...
+    assert not any(subtasks._converged(best[:i], 200, 0.5) for i in range(1, len(best)))  # ... not earlier
+    with pytest.raises(ValueError, match="patience"):
+        subtasks.SubtaskConfig(patience=150)  # not a multiple of eval_every=100

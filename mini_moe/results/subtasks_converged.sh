@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Chapter 9's controlled experiment trained to convergence (issue 25): every run stops when its
+# validation FVU has not improved by 1 % within 1,000 steps (at most 20,000 steps), see
+# mini_moe.subtasks.SubtaskConfig. Seed by seed, one run per command, and the results file is
+# committed alone after every run; stop it at any time and run the same command to continue
+# (runs already in the file are skipped). From the repository root after `make venv`:
+#   taskset -c 0 bash mini_moe/results/subtasks_converged.sh
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+MACHINE=${MACHINE:-cpu-2core-epyc}
+DEST=mini_moe/results/subtasks-converged-$MACHINE.json
+ROUTERS="dense dense_wide softmax_token_choice sinkhorn_token_choice svmoe softmax_expert_choice
+ sinkhorn_expert_choice sparsity_constrained_expert_choice soft_moe"
+
+commit() {  # commit $DEST alone; wait while another git command holds the index
+  local lock tries
+  lock=$(git rev-parse --git-path index.lock)
+  for tries in $(seq 1 120); do
+    if [ -e "$lock" ]; then sleep 5; continue; fi
+    if git diff --quiet HEAD -- "$DEST" 2>/dev/null && git ls-files --error-unmatch -- "$DEST" >/dev/null 2>&1; then
+      return 0
+    fi
+    if git add -- "$DEST" && git commit -q -m "$1" -- "$DEST"; then return 0; fi
+    sleep 5
+  done
+  echo "subtasks_converged.sh: could not commit $DEST" >&2
+  return 1
+}
+
+for seed in 0 1 2 3 4 5 6 7; do
+  for freq in uniform skewed; do
+    for router in $ROUTERS; do
+      $PY -m mini_moe subtasks --routers "$router" --frequencies "$freq" --seeds "$seed" --steps 20000 \
+        --patience 1000 --out "$DEST" > /dev/null
+      commit "subtasks to convergence: $router $freq seed $seed"
+    done
+  done
+done
