@@ -13,12 +13,15 @@ Every module, in the order the book introduces them:
   ``make_router`` or composed by hand; :func:`~mini_moe.routers.register` adds your own.
 * :mod:`mini_moe.model` — the ViT whose MLPs can be MoE layers (V-MoE).
 * :mod:`mini_moe.config` — the ``quick`` (CPU) and ``full`` (GPU/TPU) configurations.
-* :mod:`mini_moe.data` — digits, Fashion-MNIST and tfds datasets, and batches.
+* :mod:`mini_moe.data` — digits, Fashion-MNIST, tfds datasets and ``patch_vote`` (a task
+  built to need capacity), and batches.
 * :mod:`mini_moe.augment` — random resized crops that remember their geometry, and the patch
   correspondences of two views (paper 004).
 * :mod:`mini_moe.train` — training with checkpoints and exact resume.
 * :mod:`mini_moe.evaluate` — accuracy, the 10-shot probe, routing diagnostics and mechanisms.
 * :mod:`mini_moe.study` — the head-to-head router study and its statistics.
+* :mod:`mini_moe.confirm` — the pre-registered confirmatory study on ``patch_vote``: its design
+  as code, TOST, and the runner's bookkeeping.
 * :mod:`mini_moe.subtasks` — the controlled experiment where the right routing is known.
 * :mod:`mini_moe.parallel` — expert parallelism across devices (``all_to_all``).
 * :mod:`mini_moe.bench` — benchmarks, and the results committed with the package.

@@ -123,7 +123,7 @@ def _evaluate(args):
     (run / "evaluation.json").write_text(json.dumps(result, indent=1))
     if not args.no_figures and cfg.model.moe_blocks():
         maps = ev.expert_maps(model, test_ds.images[:8])
-        fig = ev.plot_expert_maps(test_ds.images[:8], maps, num_experts=cfg.model.num_experts,
+        fig = ev.plot_expert_maps(test_ds.images[:8], maps, num_experts=cfg.model.routed_experts,
                                   labels=test_ds.labels[:8])
         fig.savefig(run / "expert_maps.png", dpi=120)
     print(json.dumps({k: v for k, v in result.items() if k not in ("routers", "stability")}))

@@ -110,8 +110,8 @@ class TrainConfig:
             if self.model.moe_path != "auto":
                 raise InputError(f"model moe_path={self.model.moe_path!r} applies on one device; with mesh={self.mesh} "
                                  "the expert-parallel layer picks its own path. Leave moe_path='auto'.")
-            if self.model.router is not None and self.model.num_experts % self.mesh[1]:
-                raise InputError(f"num_experts={self.model.num_experts} must be a multiple of the mesh's "
+            if self.model.router is not None and self.model.routed_experts % self.mesh[1]:
+                raise InputError(f"num_experts * fine_grained={self.model.routed_experts} must be a multiple of the mesh's "
                                  f"expert axis {self.mesh[1]}.")
         if self.prc and (self.model.router is None or routers_lib.per_image(self.model.router)):
             raise InputError(f"prc=True needs a sparse router (paper 004 uses token choice), got {self.model.router!r}.")

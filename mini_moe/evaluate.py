@@ -191,7 +191,7 @@ def predictions_and_routing(model, images: np.ndarray, *, batch_size: int = 400)
             per_layer = []
             for rt, probs in zip(out.routings, out.probs):
                 hits = (np.asarray(rt.dispatch) > 0).any(-1)  # [groups, T, E]
-                hits = hits.reshape(-1, cfg.num_patches, cfg.num_experts)[:n]
+                hits = hits.reshape(-1, cfg.num_patches, cfg.routed_experts)[:n]
                 per_layer.append((hits, np.asarray(probs[:n]).argmax(-1)))
             layers = [[x] for x in per_layer] if layers is None else [acc + [x] for acc, x in zip(layers, per_layer)]
     layers = [(np.concatenate([h for h, _ in acc]), np.concatenate([t for _, t in acc])) for acc in (layers or [])]
@@ -224,7 +224,7 @@ def perturbation_path(model, image: np.ndarray, companions: np.ndarray, directio
         for start in range(0, len(flat), per_batch):
             out = _forward(model, jnp.asarray(flat[start:start + per_batch]), return_routing=True)
             probs.append(np.asarray(jax.nn.softmax(out.logits[::group], axis=-1)))
-            layers = [(np.asarray(rt.dispatch) > 0).any(-1).reshape(-1, cfg.num_patches, cfg.num_experts)[::group]
+            layers = [(np.asarray(rt.dispatch) > 0).any(-1).reshape(-1, cfg.num_patches, cfg.routed_experts)[::group]
                       for rt in out.routings]
             hits.append(np.stack(layers, 1))  # [points, layers, P, E]
     probs, hits = np.concatenate(probs), np.concatenate(hits)
@@ -309,7 +309,7 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
             "unprocessed": float(np.mean(per_token == 0)),
             "dropped_routes": None if k is None else float(1 - per_token.mean() / k),
             "experts_per_token": float(per_token.mean()),
-            "load_cv": _cv(np.bincount(top1.ravel(), minlength=cfg.num_experts).astype(float)),
+            "load_cv": _cv(np.bincount(top1.ravel(), minlength=cfg.routed_experts).astype(float)),
             "processed_cv": _cv(hits.sum((0, 1)).astype(float)),
             "stability_top1": float(stable["top1"]),
             "stability_top2": None if stable["top2"] is None else float(stable["top2"]),
@@ -374,8 +374,8 @@ def expert_maps(model, images: np.ndarray) -> np.ndarray:
     b, side = len(images), cfg.image_size // cfg.patch_size
     maps = []
     for rt in out.routings:
-        combine = np.asarray(rt.combine).reshape(b, side * side, cfg.num_experts, -1).sum(-1)
-        reached = (np.asarray(rt.dispatch).reshape(b, side * side, cfg.num_experts, -1) > 0).any(axis=(-1, -2))
+        combine = np.asarray(rt.combine).reshape(b, side * side, cfg.routed_experts, -1).sum(-1)
+        reached = (np.asarray(rt.dispatch).reshape(b, side * side, cfg.routed_experts, -1) > 0).any(axis=(-1, -2))
         maps.append(np.where(reached, combine.argmax(-1), -1).reshape(b, side, side))
     return np.stack(maps) if maps else np.zeros((0, b, side, side), int)
 
@@ -472,7 +472,7 @@ def routing_stability(model, images: np.ndarray, *, seed: int = 0, batch_size: i
             unordered = top2 | ((ta[..., 0] == tb[..., 1]) & (ta[..., 1] == tb[..., 0]))
             layer_counts.append(np.array([top1[valid].sum(), top2[valid].sum(), unordered[valid].sum(), valid.sum()]))
         counts = layer_counts if counts is None else [c + d for c, d in zip(counts, layer_counts)]
-    two = cfg.num_experts >= 2  # with one expert the top-2 ratios are undefined (None)
+    two = cfg.routed_experts >= 2  # with one expert the top-2 ratios are undefined (None)
     return [{"top1": c[0] / max(c[3], 1), "top2": c[1] / max(c[3], 1) if two else None,
              "top2_unordered": c[2] / max(c[3], 1) if two else None, "pairs": int(c[3])} for c in (counts or [])]
 

@@ -13,6 +13,7 @@ tokens; Soft MoE per image.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from typing import Any
 
@@ -50,6 +51,8 @@ class ModelConfig:
     router_kwargs: tuple = ()  # (("k", 2), ...): hashable, so configs can key caches
     moe_path: str = "auto"  # layer path: "auto", "einsum" or "gather"
     dtype: str = "float32"  # compute dtype, "float32" or "bfloat16" (parameters stay float32; see VisionMoE)
+    fine_grained: int = 1  # m: every expert split into m of mlp_dim / m hidden units (DeepSeekMoE)
+    shared_experts: int = 0  # K_s fine-grained experts that every token passes through (DeepSeekMoE)
 
     def __post_init__(self):
         for name in ("image_size", "channels", "patch_size", "num_classes", "dim", "depth", "heads",
@@ -69,6 +72,50 @@ class ModelConfig:
         self.moe_blocks()  # validates placement
         if self.dtype not in DTYPES:
             raise InputError(f"dtype must be one of {DTYPES} (the compute dtype), got {self.dtype!r}.")
+        check_int("fine_grained", self.fine_grained)
+        check_int("shared_experts", self.shared_experts, 0)
+        if self.mlp_dim % self.fine_grained:
+            raise InputError(f"fine_grained={self.fine_grained} must divide mlp_dim={self.mlp_dim} "
+                             "(each expert is split into fine_grained experts of mlp_dim / fine_grained units).")
+        self.routed_options()  # validates the fine-grained budget
+
+    @property
+    def routed_experts(self) -> int:
+        """The number of routed experts: ``num_experts * fine_grained``."""
+        return self.num_experts * self.fine_grained
+
+    def routed_options(self) -> dict:
+        """The router's options for the routed experts (DeepSeekMoE, arXiv 2401.06066, Sec. 3).
+
+        With ``fine_grained = m`` and ``shared_experts = K_s``, each of the E experts becomes m
+        experts of ``mlp_dim / m`` hidden units, and K_s such experts process every token. The
+        activated FLOPs stay those of the coarse layer: a token's routed slots shrink from s to
+        ``m s - K_s`` fine experts (m s fine slots cost what s coarse ones did, and the shared
+        experts take K_s of them). So Token Choice's ``k`` and ``capacity_factor`` and Expert
+        Choice's ``capacity_factor`` become ``m x - K_s``. Soft MoE (slots, not experts per
+        token) is not split."""
+        kwargs = dict(self.router_kwargs)
+        m, shared = self.fine_grained, self.shared_experts
+        if self.router is None or (m == 1 and shared == 0):
+            return kwargs
+        spec = routers_lib.spec(self.router)
+        if spec.allocation == "soft":
+            raise InputError(f"fine_grained and shared_experts apply to Token and Expert Choice routers, not to "
+                             f"{self.router!r} (a soft allocation); leave them at 1 and 0.")
+        defaults = {n: p.default for n, p in inspect.signature(spec.build).parameters.items()}
+        if spec.allocation == "token":
+            k = kwargs.get("k", defaults.get("k", 1))
+            factor = kwargs.get("capacity_factor", defaults.get("capacity_factor"))
+            kwargs |= {"k": m * k - shared, "capacity_factor": m * (k if factor is None else factor) - shared}
+            if kwargs["k"] < 1:
+                raise InputError(f"shared_experts={shared} leaves no routed expert: fine_grained * k = {m * k} "
+                                 "must exceed it.")
+        else:
+            kwargs["capacity_factor"] = m * kwargs.get("capacity_factor", defaults.get("capacity_factor", 1.0)) - shared
+            if not kwargs["capacity_factor"] > 0:
+                raise InputError(f"shared_experts={shared} leaves no routed slots: fine_grained * capacity_factor "
+                                 f"= {kwargs['capacity_factor'] + shared:g} must exceed it.")
+        return kwargs
 
     @property
     def num_patches(self) -> int:
@@ -133,6 +180,8 @@ class MoeLayer(nnx.Module):
       router: a :class:`~mini_moe.routers.Router`.
       experts: expert inputs ``[E, N, D]`` -> outputs (:class:`~mini_moe.layer.MlpExperts`).
       path: how eq. (2) is computed on one device (:func:`~mini_moe.layer.moe`).
+      shared: None, or a module ``[..., D] -> [..., D]`` that every token passes through, added
+        to the routed output (DeepSeekMoE's shared experts).
 
     With a ``mesh`` (:func:`mini_moe.parallel.make_mesh`) the experts run split over its
     ``"expert"`` axis and tokens travel by ``all_to_all``
@@ -140,17 +189,19 @@ class MoeLayer(nnx.Module):
     routings, einsum for soft ones), so a ``path`` other than ``"auto"`` is refused there.
     """
 
-    def __init__(self, router: routers_lib.Router, experts, *, path: str = "auto"):
-        self.router, self.experts, self.path = router, experts, path
+    def __init__(self, router: routers_lib.Router, experts, *, path: str = "auto", shared=None):
+        self.router, self.experts, self.path, self.shared = router, experts, path, shared
 
     def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
         out = self.router(x.astype(jnp.float32))
         if mesh is None:
-            return moe(x, out.routing, self.experts, path=self.path), out
-        if self.path != "auto":
+            y = moe(x, out.routing, self.experts, path=self.path)
+        elif self.path != "auto":
             raise InputError(f"moe_path={self.path!r} applies on one device; with a mesh the expert-parallel "
                              "layer picks its own path. Use moe_path='auto' with a mesh.")
-        return parallel.expert_parallel_moe(x, out.routing, self.experts, mesh), out
+        else:
+            y = parallel.expert_parallel_moe(x, out.routing, self.experts, mesh)
+        return (y if self.shared is None else y + self.shared(x)), out
 
 
 class MoeMlp(MoeLayer):
@@ -161,9 +212,13 @@ class MoeMlp(MoeLayer):
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        kwargs = dict(cfg.router_kwargs)
-        router = routers_lib.make_router(cfg.router, cfg.dim, cfg.num_experts, rngs=rngs, **kwargs)
-        super().__init__(router, MlpExperts(cfg.num_experts, cfg.dim, cfg.mlp_dim, rngs=rngs), path=cfg.moe_path)
+        hidden = cfg.mlp_dim // cfg.fine_grained
+        router = routers_lib.make_router(cfg.router, cfg.dim, cfg.routed_experts, rngs=rngs, **cfg.routed_options())
+        experts = MlpExperts(cfg.routed_experts, cfg.dim, hidden, rngs=rngs)
+        # K_s shared experts of `hidden` units summed are one MLP of K_s * hidden units.
+        shared = DenseMlp(cfg.dim, cfg.shared_experts * hidden, dtype=jnp.dtype(cfg.dtype), rngs=rngs) \
+            if cfg.shared_experts else None
+        super().__init__(router, experts, path=cfg.moe_path, shared=shared)
         self.group_images = cfg.group_images
 
     def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
