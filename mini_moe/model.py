@@ -25,11 +25,14 @@ from flax import nnx
 
 from mini_moe import parallel
 from mini_moe import routers as routers_lib
-from mini_moe.layer import MlpExperts, moe
+from mini_moe.layer import PATHS, MlpExperts, moe, moe_sorted
 from mini_moe.validate import InputError, check_int
 
 Array = Any
 DTYPES = ("float32", "bfloat16")  # compute dtypes of ModelConfig.dtype
+#: The MoE layer's paths: eq. (2) as einsum or gather (:func:`mini_moe.layer.moe`), or dropless
+#: Token Choice by sorting and grouped matmuls (:func:`mini_moe.layer.moe_sorted`).
+MOE_PATHS = PATHS + ("dropless",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,7 @@ class ModelConfig:
     placement: str = "every2"  # "every2", "lastN" or "none"
     group_images: int = 8  # images per routing group (sparse routers)
     router_kwargs: tuple = ()  # (("k", 2), ...): hashable, so configs can key caches
-    moe_path: str = "auto"  # layer path: "auto", "einsum" or "gather"
+    moe_path: str = "auto"  # layer path: "auto", "einsum", "gather" or "dropless" (MOE_PATHS)
     dtype: str = "float32"  # compute dtype, "float32" or "bfloat16" (parameters stay float32; see VisionMoE)
     fine_grained: int = 1  # m: every expert split into m of mlp_dim / m hidden units (DeepSeekMoE)
     shared_experts: int = 0  # K_s fine-grained experts that every token passes through (DeepSeekMoE)
@@ -72,6 +75,11 @@ class ModelConfig:
         self.moe_blocks()  # validates placement
         if self.dtype not in DTYPES:
             raise InputError(f"dtype must be one of {DTYPES} (the compute dtype), got {self.dtype!r}.")
+        if self.moe_path not in MOE_PATHS:
+            raise InputError(f"moe_path must be one of {MOE_PATHS}, got {self.moe_path!r}.")
+        if self.moe_path == "dropless" and self.router is not None and routers_lib.spec(self.router).allocation != "token":
+            raise InputError(f"moe_path='dropless' needs a Token Choice router, not {self.router!r} "
+                             f"(allocation {routers_lib.spec(self.router).allocation!r}).")
         check_int("fine_grained", self.fine_grained)
         check_int("shared_experts", self.shared_experts, 0)
         if self.mlp_dim % self.fine_grained:
@@ -179,7 +187,11 @@ class MoeLayer(nnx.Module):
     Args:
       router: a :class:`~mini_moe.routers.Router`.
       experts: expert inputs ``[E, N, D]`` -> outputs (:class:`~mini_moe.layer.MlpExperts`).
-      path: how eq. (2) is computed on one device (:func:`~mini_moe.layer.moe`).
+      path: how the layer is computed on one device: ``"auto"``, ``"einsum"`` or ``"gather"``
+        (eq. 2, :func:`~mini_moe.layer.moe`), or ``"dropless"`` (Token Choice routers only):
+        every token reaches its k experts whatever the load (the router's buffers are T deep),
+        computed by sorting the picks by expert and two grouped matmuls
+        (:func:`~mini_moe.layer.moe_sorted`), with no ``[T, E, C]`` tensor.
       shared: None, or a module ``[..., D] -> [..., D]`` that every token passes through, added
         to the routed output (DeepSeekMoE's shared experts).
 
@@ -190,11 +202,19 @@ class MoeLayer(nnx.Module):
     """
 
     def __init__(self, router: routers_lib.Router, experts, *, path: str = "auto", shared=None):
+        if path not in MOE_PATHS:
+            raise InputError(f"path must be one of {MOE_PATHS}, got {path!r}.")
+        if path == "dropless" and not isinstance(router.allocation, routers_lib.TokenChoice):
+            raise InputError(f"path='dropless' needs a Token Choice router, not {type(router.allocation).__name__}.")
         self.router, self.experts, self.path, self.shared = router, experts, path, shared
 
     def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
-        out = self.router(x.astype(jnp.float32))
-        if mesh is None:
+        dropless = self.path == "dropless" and mesh is None
+        out = self.router(x.astype(jnp.float32), dropless=dropless)
+        if dropless:
+            a = out.affinities
+            y = moe_sorted(x, a.scores, self.experts, k=self.router.allocation.k, combine_scores=a.combine)
+        elif mesh is None:
             y = moe(x, out.routing, self.experts, path=self.path)
         elif self.path != "auto":
             raise InputError(f"moe_path={self.path!r} applies on one device; with a mesh the expert-parallel "

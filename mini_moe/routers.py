@@ -70,12 +70,15 @@ class RouterOutput:
       probs: ``[..., T, E]`` each token's distribution over experts: the (noisy) softmax
         of the router logits (paper 004's r_theta); for Soft MoE the combine weights
         summed over each expert's slots.
+      affinities: the :class:`Affinities` the allocation worked from (what the dropless
+        layer path sorts by).
     """
 
     routing: routing.Routing
     aux_loss: Array
     metrics: dict
     probs: Array
+    affinities: Any = None
 
 
 class Budget(NamedTuple):
@@ -524,15 +527,24 @@ class Router(nnx.Module):
             raise InputError(f"x must have shape [..., T, D={self.dim}], got {shape}.")
         return x
 
-    def __call__(self, x: Array) -> RouterOutput:
+    def __call__(self, x: Array, *, dropless: bool = False) -> RouterOutput:
+        """Route ``x [..., T, D]``. ``dropless=True`` (Token Choice only): the affinity sees the
+        usual budget, the allocation a buffer of C = T slots per expert, so no pick is dropped
+        (the routing's dense tensors are never built under ``jit`` unless something reads them)."""
         x = self._tokens(x)
-        budget = self.allocation.budget(np.shape(x)[-2], self.num_experts)
+        num_tokens = np.shape(x)[-2]
+        budget = self.allocation.budget(num_tokens, self.num_experts)
         affinities = self.affinity(x, budget)
+        if dropless:
+            if not isinstance(self.allocation, TokenChoice):
+                raise InputError(f"dropless routing needs a Token Choice allocation, not "
+                                 f"{type(self.allocation).__name__}; use the 'gather' or 'einsum' path.")
+            budget = budget._replace(capacity=num_tokens)  # an expert can take every token once
         rt = self.allocation(affinities, budget)
         metrics = routing.routing_metrics(rt)
         metrics.update(affinities.metrics)
         probs = affinities.probs if affinities.probs is not None else rt.combine.sum(axis=-1)
-        return RouterOutput(rt, jnp.asarray(affinities.aux_loss, jnp.float32), metrics, probs)
+        return RouterOutput(rt, jnp.asarray(affinities.aux_loss, jnp.float32), metrics, probs, affinities)
 
 
 # ---------------------------------------------------------------------------- the registry

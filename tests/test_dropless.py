@@ -1,0 +1,92 @@
+"""The dropless layer path (issue 26): Token Choice with buffers T deep, computed by sorting and
+grouped matmuls. Equal to the gather path (outputs and gradients) whenever the gather path drops
+nothing; drops nothing when the gather path would; refused where it does not apply."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mini_moe import config as config_lib
+from mini_moe import evaluate, routers, train
+from mini_moe.layer import MlpExperts
+from mini_moe.model import ModelConfig, MoeLayer
+
+DIM, EXPERTS, TOKENS = 16, 4, 32
+TOKEN_ROUTERS = [("softmax_token_choice", {"k": 1, "deterministic": True}),
+                 ("softmax_token_choice", {"k": 2, "deterministic": True}),
+                 ("sigmoid_loss_free", {"k": 2, "deterministic": True}),
+                 ("sinkhorn_token_choice", {"k": 1}),
+                 ("svmoe", {"k": 2})]
+
+
+def _layer(name, kwargs, path, capacity_factor):
+    router = routers.make_router(name, DIM, EXPERTS, rngs=nnx.Rngs(0), capacity_factor=capacity_factor, **kwargs)
+    return MoeLayer(router, MlpExperts(EXPERTS, DIM, 8, rngs=nnx.Rngs(1)), path=path)
+
+
+def _output_and_grads(layer, x):
+    def loss(layer):
+        y, out = layer(x)
+        return jnp.sum(jnp.sin(y)) + out.aux_loss, y
+
+    (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+    return y, grads
+
+
+@pytest.mark.parametrize("name, kwargs", TOKEN_ROUTERS, ids=lambda v: str(v))
+def test_dropless_equals_gather_when_gather_drops_nothing(name, kwargs):
+    x = jax.random.normal(jax.random.key(2), (3, TOKENS, DIM))
+    gather = _layer(name, kwargs, "gather", float(EXPERTS))  # C = T: room for every pick
+    dropless = _layer(name, kwargs, "dropless", 1.0)  # the same parameters, the usual buffers
+    _, out = gather(x)
+    assert float(out.metrics["dropped"]) == 0 and float(out.metrics["experts_per_token"]) == kwargs["k"]
+    y_gather, g_gather = _output_and_grads(gather, x)
+    y_dropless, g_dropless = _output_and_grads(dropless, x)
+    np.testing.assert_allclose(y_dropless, y_gather, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), g_dropless, g_gather)
+    assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(g_dropless))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_dropless_drops_nothing_where_gather_does(k):
+    # Scores that send most tokens to expert 0: at c = k its buffer overflows.
+    x = jax.random.normal(jax.random.key(3), (2, TOKENS, DIM)) + 3.0
+    kwargs = {"k": k, "deterministic": True}
+    tight = _layer("softmax_token_choice", kwargs, "gather", float(k))
+    tight.router.affinity.dense.kernel[...] = jnp.zeros((DIM, EXPERTS)).at[:, 0].set(1.0)
+    _, out = tight(x)
+    assert float(out.metrics["dropped"]) > 0.2  # the gather path drops tokens
+    dropless = _layer("softmax_token_choice", kwargs, "dropless", float(k))
+    nnx.update(dropless, nnx.state(tight))
+    y, out = dropless(x)
+    assert float(out.metrics["dropped"]) == 0 and float(out.metrics["experts_per_token"]) == k
+    roomy = _layer("softmax_token_choice", kwargs, "gather", float(EXPERTS))
+    nnx.update(roomy, nnx.state(tight))
+    np.testing.assert_allclose(y, roomy(x)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("router", ["softmax_expert_choice", "soft_moe", "sinkhorn_expert_choice"])
+def test_dropless_needs_token_choice(router):
+    with pytest.raises(ValueError, match="dropless"):
+        ModelConfig(router=router, moe_path="dropless")
+    built = routers.make_router(router, DIM, EXPERTS, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="dropless"):
+        MoeLayer(built, MlpExperts(EXPERTS, DIM, 8, rngs=nnx.Rngs(1)), path="dropless")
+
+
+def test_unknown_path_is_named():
+    with pytest.raises(ValueError, match="moe_path must be one of"):
+        ModelConfig(router="softmax_token_choice", moe_path="sorted")
+
+
+def test_a_dropless_model_trains_and_is_diagnosed(tmp_path):
+    cfg = config_lib.get_config("quick", dataset="digits", router="softmax_token_choice", steps=3, eval_every=3,
+                                checkpoint_every=3, model_moe_path="dropless")
+    train.train(cfg, tmp_path / "run", progress=False)
+    model, _ = train.load_trained(tmp_path / "run")
+    datasets = train.load_data(cfg)
+    mech = evaluate.mechanisms(model, datasets[1].images[:64], stability_images=64)
+    for layer in mech["layers"]:
+        assert layer["unprocessed"] == 0 and layer["experts_per_token"] == 1
