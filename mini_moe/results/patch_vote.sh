@@ -35,7 +35,12 @@ if [ "$(git -C "$TREE" rev-parse HEAD 2>/dev/null || true)" != "$(git rev-parse 
   git worktree add -q --detach "$TREE" "$SOURCE"
 fi
 echo "patch_vote.sh: training with the code of $(git -C "$TREE" rev-parse --short HEAD) in $TREE"
-RUN="env PYTHONPATH=$PWD/$TREE $PY"
+# PYTHONSAFEPATH: `python -m` must not put the current folder (this checkout's mini_moe) first.
+RUN="env PYTHONSAFEPATH=1 PYTHONPATH=$PWD/$TREE $PY"
+case "$($RUN -c 'import mini_moe; print(mini_moe.__file__)')" in
+  "$PWD/$TREE/"*) ;;
+  *) echo "patch_vote.sh: mini_moe does not import from $TREE" >&2; exit 2 ;;
+esac
 
 commit() {  # commit $DEST alone; wait while another git command holds the index
   local lock tries
