@@ -14,7 +14,10 @@
 :func:`moe_sorted` is the third way production systems use, outside eq. (2): dropless Token
 Choice with no buffers at all. The (token, expert) picks are sorted by expert and every expert
 multiplies its contiguous block of rows (a grouped matmul, ``jax.lax.ragged_dot``), so nothing
-is dropped and no slot is empty.
+is dropped and no slot is empty. :class:`mini_moe.model.MoeLayer` offers it as the
+``"dropless"`` path. What ``ragged_dot`` costs depends on the backend's lowering:
+``python -m mini_moe bench --only dropless`` reports its time and XLA's FLOP count against the
+gather path.
 """
 
 from __future__ import annotations
@@ -137,6 +140,36 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
     return out.reshape(x.shape[:-1] + (rows.shape[-1],))
 
 
+GROUPED_KERNELS = ("auto", "ragged_dot", "megablox")
+
+
+def grouped_matmul(rows: Array, weights: Array, group_sizes: Array, *, kernel: str = "auto") -> Array:
+    """Rows sorted by group times their group's matrix: ``rows [M, K]``, ``weights [G, K, N]``,
+    ``group_sizes [G]`` (int32; the first ``group_sizes[0]`` rows use ``weights[0]``, ...) ->
+    ``[M, N]``.
+
+    ``kernel="ragged_dot"``: ``jax.lax.ragged_dot``, lowered by XLA for the running backend (on a
+    CPU, a generic lowering that does about G times a grouped matmul's FLOPs; ``python -m mini_moe
+    bench --only dropless`` measures it). ``"megablox"``: the Pallas grouped-matmul kernel of
+    ``jax.experimental.pallas.ops.tpu.megablox`` (differentiable; compiled on a TPU, run by
+    Pallas' interpreter elsewhere, which is how the tests check it). ``"auto"``: megablox on a
+    TPU, ragged_dot elsewhere.
+    """
+    if kernel not in GROUPED_KERNELS:
+        raise InputError(f"kernel must be one of {GROUPED_KERNELS}, got {kernel!r}.")
+    on_tpu = jax.default_backend() == "tpu"
+    if kernel == "ragged_dot" or (kernel == "auto" and not on_tpu):
+        return jax.lax.ragged_dot(rows, weights, group_sizes)
+    from jax.experimental.pallas.ops.tpu.megablox import ops
+
+    (m, k), n = rows.shape, weights.shape[-1]
+    tiling = (min(128, m), min(128, k), min(128, n))
+    padded = jnp.pad(rows, ((0, -m % tiling[0]), (0, 0)))  # the kernel wants whole row tiles
+    out = ops.gmm(padded, weights.astype(rows.dtype), group_sizes.astype(jnp.int32), rows.dtype, tiling,
+                  None, None, False, not on_tpu)
+    return out[:m]
+
+
 def _scatter_add_rows(base, index, rows):
     """base[..., index[..., j], :] += rows[..., j, :] over any leading axes (out-of-range rows dropped)."""
     flat_base = base.reshape((-1,) + base.shape[-2:])
@@ -172,10 +205,11 @@ class MlpExperts(nnx.Module):
         """Apply expert e to its block of ``rows`` ``[M, D]``, sorted by expert: the first
         ``group_sizes[0]`` rows go through expert 0, the next ``group_sizes[1]`` through expert 1,
         and so on (``expert [M]`` names each row's expert, for the biases). Two grouped matmuls
-        (``jax.lax.ragged_dot``); returns ``[M, D_out]``."""
+        (:func:`grouped_matmul`: megablox's kernel on a TPU, ``jax.lax.ragged_dot`` elsewhere);
+        returns ``[M, D_out]``."""
         w1, b1, w2, b2 = self._weights(rows.dtype)
-        h = jax.nn.gelu(jax.lax.ragged_dot(rows, w1, group_sizes) + b1[expert, 0])
-        return jax.lax.ragged_dot(h, w2, group_sizes) + b2[expert, 0]
+        h = jax.nn.gelu(grouped_matmul(rows, w1, group_sizes) + b1[expert, 0])
+        return grouped_matmul(h, w2, group_sizes) + b2[expert, 0]
 
     def _weights(self, dtype):
         """The parameters cast to the compute dtype (they are stored in float32)."""

@@ -90,3 +90,24 @@ def test_a_dropless_model_trains_and_is_diagnosed(tmp_path):
     mech = evaluate.mechanisms(model, datasets[1].images[:64], stability_images=64)
     for layer in mech["layers"]:
         assert layer["unprocessed"] == 0 and layer["experts_per_token"] == 1
+
+
+@pytest.mark.parametrize("m, k, n", [(37, 16, 24), (300, 64, 130), (256, 200, 96)])
+def test_megablox_kernel_equals_ragged_dot(m, k, n):
+    """The TPU kernel (megablox gmm, run here by Pallas' interpreter) against ragged_dot: outputs
+    and gradients, with an empty group and a row count that is no multiple of the tile."""
+    from mini_moe.layer import grouped_matmul
+
+    rows = jax.random.normal(jax.random.key(0), (m, k))
+    weights = jax.random.normal(jax.random.key(1), (4, k, n))
+    sizes = jnp.array([m // 3, 0, m - m // 3 - m // 5, m // 5], jnp.int32)
+
+    def loss(kernel):
+        return lambda r, w: jnp.sum(jnp.sin(grouped_matmul(r, w, sizes, kernel=kernel)))
+
+    np.testing.assert_allclose(grouped_matmul(rows, weights, sizes, kernel="megablox"),
+                               grouped_matmul(rows, weights, sizes, kernel="ragged_dot"), rtol=1e-5, atol=1e-4)
+    for a, b in zip(jax.grad(loss("megablox"), (0, 1))(rows, weights), jax.grad(loss("ragged_dot"), (0, 1))(rows, weights)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        grouped_matmul(rows, weights, sizes, kernel="cutlass")
