@@ -330,10 +330,76 @@ def training_benchmarks(repeats: int) -> list[dict]:
     return results
 
 
+def compiled_flops(fn, *args) -> float:
+    """XLA's FLOP count of the compiled ``fn(*args)`` (``cost_analysis()``; loops counted once)."""
+    graphdef, state = nnx.split(args[0])
+    cost = jax.jit(lambda state, *rest: fn(nnx.merge(graphdef, state), *rest)).lower(state, *args[1:]) \
+        .compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost).get("flops", float("nan")))
+
+
+def dropless_benchmarks(repeats: int) -> list[dict]:
+    """Dropless Token Choice (the layer's ``"dropless"`` path: sort, ``jax.lax.ragged_dot``)
+    against the gather path at its usual capacity (c = k), Softmax Token Choice with k = 1 and
+    2 at every :data:`LAYER_SHAPES` size: forward + backward time and XLA's FLOP count of the
+    compiled step. The backend's ``ragged_dot`` lowering decides the FLOPs: a generic one
+    computes every row against every expert (about E times a grouped matmul's work)."""
+    results = []
+    for shape_name, (per_group, tokens, groups, dim, hidden, experts) in LAYER_SHAPES.items():
+        for k in (1, 2):
+            row = {"shape": shape_name, "k": k, "backend": jax.default_backend()}
+            for path in ("gather", "dropless"):
+                rng = nnx.Rngs(0)
+                router, x = _router_and_tokens("softmax_token_choice", shape_name, rng, k=k)
+                module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng), path=path)
+                step = _fwd_bwd(_layer_output)
+                row[f"{path}_ms"] = round(time_fn(step, module, x, repeats=repeats), 3)
+                row[f"{path}_gflop"] = round(compiled_flops(
+                    lambda m, x: nnx.grad(lambda m, x: jnp.sum(_layer_output(m, x) ** 2), argnums=(0, 1))(m, x),
+                    module, x) / 1e9, 4)
+            row["time_ratio"] = round(row["dropless_ms"] / row["gather_ms"], 3)
+            row["flop_ratio"] = round(row["dropless_gflop"] / row["gather_gflop"], 3)
+            results.append(row)
+            print(f"  dropless {shape_name:5s} k={k} gather {row['gather_ms']:9.2f} ms dropless {row['dropless_ms']:9.2f}"
+                  f" ms  x{row['time_ratio']:.2f} time  x{row['flop_ratio']:.2f} FLOPs", flush=True)
+    return results
+
+
+def loss_free_benchmarks(repeats: int) -> list[dict]:
+    """What auxiliary-loss-free balancing's bias update costs a training step: the quick
+    Fashion-MNIST model with ``sigmoid_loss_free`` and ``group_limited``, bias update on
+    (``bias_rate=1e-3``) and off (``bias_rate=0``), ms per step (median)."""
+    from mini_moe import config as config_lib
+    from mini_moe import train as train_lib
+
+    results = []
+    for name in ("sigmoid_loss_free", "group_limited"):
+        row = {"router": name}
+        for rate in (0.0, 1e-3):
+            cfg = config_lib.get_config("quick", dataset="fashion_mnist", router=name,
+                                        model_router_kwargs={"bias_rate": rate})
+            model, cfg_opt = train_lib.make_model(cfg), cfg
+            optimizer = train_lib.make_optimizer(model, cfg_opt)
+            images = jax.random.normal(jax.random.PRNGKey(0), (cfg.batch_size, 28, 28, 1))
+            labels = jnp.zeros((cfg.batch_size,), jnp.int32)
+
+            def step(model, optimizer, images, labels):
+                return train_lib.train_step(model, optimizer, images, labels, aux_weight=cfg.aux_loss_weight)["loss"]
+
+            row["update_ms" if rate else "no_update_ms"] = round(time_fn(step, model, optimizer, images, labels,
+                                                                         repeats=max(5, repeats)), 3)
+        row["overhead"] = round(row["update_ms"] / row["no_update_ms"] - 1, 4)
+        results.append(row)
+        print(f"  loss-free {name:20s} {row['no_update_ms']:8.2f} ms without, {row['update_ms']:8.2f} ms with the "
+              f"bias update ({100 * row['overhead']:+.1f} %)", flush=True)
+    return results
+
+
 #: The parts of :func:`run`, in order; ``python -m mini_moe bench --only`` offers these names.
 PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks,
          "soft_moe_experts": soft_moe_expert_benchmarks, "training": training_benchmarks,
-         "sparsity_solver": sparsity_solver_benchmarks}
+         "sparsity_solver": sparsity_solver_benchmarks, "dropless": dropless_benchmarks,
+         "loss_free": loss_free_benchmarks}
 
 
 def run(repeats: int = 20, only: str | None = None) -> dict:
@@ -367,6 +433,11 @@ def summary(results: dict) -> str:
     for r in results.get("sparsity_solver", []):
         lines.append(f"solver {r['shape']:5s} c={r['capacity_factor']:g} sparse/EC x{r['ratio']:.2f} "
                      f"error {r['router_mean_marginal_error']:.4f} F gap {r['router_objective_relative_gap']}")
+    for r in results.get("dropless", []):
+        lines.append(f"dropless {r['shape']:5s} k={r['k']} x{r['time_ratio']:.2f} time x{r['flop_ratio']:.2f} FLOPs "
+                     f"of gather ({r['backend']})")
+    for r in results.get("loss_free", []):
+        lines.append(f"loss-free {r['router']:20s} bias update {100 * r['overhead']:+.1f} % of a training step")
     for r in results.get("training", []):
         lines.append(f"train {r['router']:36s} {r['images_per_second']:8.0f} img/s  x{r['throughput_vs_dense']:.2f} dense")
     return "\n".join(lines)

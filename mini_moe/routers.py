@@ -280,6 +280,62 @@ class SigmoidGates(Affinity):
                           aux_loss=self.seq_balance * balance, metrics=metrics)
 
 
+class L1Weight(nnx.Variable):
+    """ReMoE's adaptive L1 coefficient: a variable of its own type (not an ``nnx.Param``, so no
+    gradient or optimizer touches it), updated by the router in training mode and saved with
+    the model's state."""
+
+
+class ReluGates(Affinity):
+    """ReMoE's affinity (Wang et al. 2024, arXiv 2412.14711): ReLU gates ``g = relu(XW)``; a
+    token goes to every expert whose gate is positive (with :class:`TokenChoice` at ``k = E``,
+    ``min_score = 0``), so the number of experts per token varies from token to token, and the
+    gates themselves are the combine weights (no softmax, no top-k).
+
+    Sparsity comes from an L1 penalty on the gates with an adaptive weight lambda
+    (:class:`L1Weight`). The penalty is load-balanced: ``lambda * mean_t sum_e f_e g_te`` with
+    ``f_e = E / (k N) * #{tokens with g_te > 0}`` (a constant, no gradient), so a busy expert's
+    gates are pushed down harder. In training mode every call moves lambda towards the target
+    sparsity ``1 - k / E`` (k active experts per token on average): ``lambda *= rate`` when the
+    fraction of zero gates is below the target, ``lambda /= rate`` when above.
+
+    Args:
+      target_k: k, the average number of active experts per token the controller aims at.
+      l1_init: lambda's initial value (ReMoE: 1e-8).
+      l1_rate: the controller's multiplicative step (ReMoE: 1.2).
+
+    Metrics: ``sparsity`` (fraction of zero gates), ``active_experts`` (mean per token),
+    ``l1_weight`` (lambda).
+    """
+
+    def __init__(self, dim, num_experts, *, target_k=1, l1_init=1e-8, l1_rate=1.2, deterministic=False,
+                 rngs: nnx.Rngs):
+        super().__init__(dim, num_experts, rngs=rngs)
+        check_int("target_k", target_k)
+        if target_k > num_experts:
+            raise InputError(f"target_k must be <= num_experts={num_experts}, got {target_k}.")
+        if not l1_init > 0 or not l1_rate > 1:
+            raise InputError(f"l1_init must be > 0 and l1_rate > 1, got {l1_init!r} and {l1_rate!r}.")
+        self.target_k, self.l1_rate, self.deterministic = target_k, float(l1_rate), deterministic
+        self.l1_weight = L1Weight(jnp.asarray(l1_init, jnp.float32))
+
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
+        gates = jax.nn.relu(self.logits(x))  # [..., T, E]
+        active = (gates > 0).astype(gates.dtype)
+        flat = active.reshape(-1, self.num_experts)
+        sparsity = 1.0 - jnp.mean(flat)
+        load = jax.lax.stop_gradient(self.num_experts * flat.sum(0) / (self.target_k * flat.shape[0]))  # f_e
+        penalty = jnp.mean(jnp.sum(load * gates.reshape(-1, self.num_experts), axis=-1))
+        weight = self.l1_weight[...]
+        if not self.deterministic:
+            target = 1.0 - self.target_k / self.num_experts
+            self.l1_weight[...] = weight * self.l1_rate ** jnp.sign(target - sparsity)
+        totals = jnp.sum(gates, axis=-1, keepdims=True)
+        probs = jnp.where(totals > 0, gates / jnp.where(totals > 0, totals, 1.0), 1.0 / self.num_experts)
+        metrics = dict(sparsity=sparsity, active_experts=jnp.mean(flat.sum(-1)), l1_weight=weight)
+        return Affinities(gates, probs=probs, aux_loss=jax.lax.stop_gradient(weight) * penalty, metrics=metrics)
+
+
 class SinkhornPlan(Affinity):
     """The entropic transport plan of ``XW`` (paper 000 eq. 8, Sec. 2.2 and 2.4).
 
@@ -391,11 +447,14 @@ class TokenChoice:
       k: experts per token (1 or 2 in the paper).
       capacity_factor: default k.
       batch_priority: Batch Priority Routing.
+      min_score: None, or picks whose score is not above it are not made (ReLU routing:
+        ``k = E``, ``min_score = 0``, so a token goes to every expert with a positive gate).
     """
 
     k: int = 1
     capacity_factor: float | None = None
     batch_priority: bool = False
+    min_score: float | None = None
     per_image = False
 
     def __post_init__(self):
@@ -415,7 +474,8 @@ class TokenChoice:
 
     def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
         return routing.token_choice(affinities.scores, capacity=budget.capacity, k=self.k,
-                                    batch_priority=self.batch_priority, combine_scores=affinities.combine)
+                                    batch_priority=self.batch_priority, combine_scores=affinities.combine,
+                                    min_score=self.min_score)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -668,6 +728,22 @@ def group_limited(dim, num_experts, *, k=2, capacity_factor=None, batch_priority
     return sigmoid_loss_free(dim, num_experts, k=k, capacity_factor=capacity_factor, batch_priority=batch_priority,
                              bias_rate=bias_rate, seq_balance=seq_balance, num_groups=num_groups,
                              top_groups=top_groups, deterministic=deterministic, rngs=rngs)
+
+
+@register("remoe", allocation="token")
+def remoe(dim, num_experts, *, k=1, capacity_factor=None, l1_init=1e-8, l1_rate=1.2, deterministic=False,
+          rngs: nnx.Rngs) -> Router:
+    """ReMoE (Wang et al. 2024, arXiv 2412.14711): ReLU gates with an adaptive, load-balanced
+    L1 penalty that holds k active experts per token on average (:class:`ReluGates`); every
+    positive gate is a pick (:class:`TokenChoice` with k = E, ``min_score = 0``). The number of
+    experts varies per token, so buffers of ``capacity_factor`` (default k) drop what overflows;
+    ``moe_path="dropless"`` drops nothing. The auxiliary loss is lambda times the penalty; the
+    controller moves lambda until the sparsity is reached, whatever weight the training loss
+    gives the auxiliary losses."""
+    affinity = ReluGates(dim, num_experts, target_k=k, l1_init=l1_init, l1_rate=l1_rate, deterministic=deterministic,
+                         rngs=rngs)
+    return Router(affinity, TokenChoice(num_experts, k if capacity_factor is None else capacity_factor,
+                                        min_score=0.0))
 
 
 @register("sinkhorn_token_choice", allocation="token")

@@ -130,6 +130,7 @@ def token_choice(
     k: int = 1,
     batch_priority: bool = False,
     combine_scores: Array | None = None,
+    min_score: float | None = None,
 ) -> Routing:
     """Token Choice allocation (paper 000, Algorithm 1), vectorised.
 
@@ -147,6 +148,9 @@ def token_choice(
       batch_priority: visit tokens by decreasing top-1 score instead of position.
       combine_scores: optional ``[..., T, E]``; combine weights are read from here at the
         chosen places (default: ``scores``). Raw values, not renormalised over the k picks.
+      min_score: None, or a pick whose score is not above it is not made (it takes no slot):
+        with ``k = E`` and ``min_score = 0`` a token goes to every expert with a positive score
+        (ReLU routing, :class:`mini_moe.routers.ReluGates`).
 
     Returns:
       :class:`Routing` with ``dispatch`` (0/1) and ``combine`` of shape ``[..., T, E, C]``.
@@ -160,23 +164,27 @@ def token_choice(
     scores = jnp.asarray(scores)
     weights = scores if combine_scores is None else jnp.asarray(combine_scores)
     flat = scores.reshape((-1, num_tokens, num_experts))
-    slot_token = jax.vmap(lambda s: _token_choice_slots(s, capacity, k, batch_priority))(flat)
+    slot_token = jax.vmap(lambda s: _token_choice_slots(s, capacity, k, batch_priority, min_score))(flat)
     slot_token = slot_token.reshape(shape[:-2] + slot_token.shape[-2:])
     return _from_slots(slot_token, _slot_weights(slot_token, weights), num_tokens, scores.dtype)
 
 
-def _token_choice_slots(scores, capacity, k, batch_priority):
+def _token_choice_slots(scores, capacity, k, batch_priority, min_score=None):
     """Algorithm 1 for one group ``[T, E]``: the token in each buffer slot ``[E, C]``."""
     num_tokens, num_experts = scores.shape
     if batch_priority:  # visit tokens by decreasing top-1 score (stable), in every round
         order = jnp.argsort(-jnp.max(scores, axis=-1), stable=True)
         scores = scores[order]
-    _, experts = jax.lax.top_k(scores, k)  # [T, k]; ties -> lower expert index
+    values, experts = jax.lax.top_k(scores, k)  # [T, k]; ties -> lower expert index
     expert = experts.T.reshape(-1)  # round-major: all first choices, then second, ...
     token = jnp.tile(jnp.arange(num_tokens), k)
     picks = jax.nn.one_hot(expert, num_experts, dtype=jnp.int32)  # [kT, E]
+    if min_score is not None:  # a pick at or below min_score is not made
+        picks = picks * (values.T.reshape(-1) > min_score)[:, None]
     before = jnp.cumsum(picks, axis=0) - picks  # tokens already sent to each expert
     position = jnp.take_along_axis(before, expert[:, None], axis=1)[:, 0]
+    if min_score is not None:
+        position = jnp.where(picks.any(axis=1), position, capacity)  # unmade picks fall outside
     # Picks at position >= C fall outside the buffer and are dropped (mode="drop").
     slot_token = jnp.full((num_experts, capacity), num_tokens, jnp.int32)
     slot_token = slot_token.at[expert, position].set(token, mode="drop")
@@ -195,7 +203,7 @@ def _loop_inputs(scores, combine_scores, capacity):
     return scores, weights, zeros, zeros.copy()
 
 
-def token_choice_loop(scores, *, capacity, k=1, batch_priority=False, combine_scores=None):
+def token_choice_loop(scores, *, capacity, k=1, batch_priority=False, combine_scores=None, min_score=None):
     """Algorithm 1 of paper 000 as printed: plain loops over one group ``[T, E]``.
 
     Same semantics as :func:`token_choice` (which the tests check it against); returns
@@ -209,6 +217,8 @@ def token_choice_loop(scores, *, capacity, k=1, batch_priority=False, combine_sc
     for i in range(k):  # the i-th choice of every token ...
         for t in order:  # ... before anybody's (i+1)-th choice
             r = np.argsort(-scores[t], kind="stable")[i]  # index of the i-th largest score
+            if min_score is not None and not scores[t, r] > min_score:
+                continue  # not a pick
             c = int(np.count_nonzero(dispatch[:, r, :]))  # tokens already at expert r
             if c < capacity:
                 dispatch[t, r, c] = 1.0

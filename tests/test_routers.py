@@ -26,6 +26,7 @@ def test_registry_has_every_router_of_the_papers():
         "softmax_token_choice", "sinkhorn_token_choice", "softmax_expert_choice",
         "sinkhorn_expert_choice", "sparsity_constrained_expert_choice", "soft_moe", "svmoe",
         "sigmoid_loss_free", "group_limited",  # DeepSeek-V3 (issue 26)
+        "remoe",  # ReLU routing (issue 26)
     }
     with pytest.raises(ValueError, match="Unknown router 'topk'.*softmax_token_choice"):
         mm.make_router("topk", D, E, rngs=nnx.Rngs(0))

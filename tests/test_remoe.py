@@ -1,0 +1,95 @@
+"""ReMoE (arXiv 2412.14711) as affinity x allocation: ReLU gates, every positive gate a pick,
+a load-balanced L1 penalty whose weight a controller moves towards the target sparsity."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mini_moe import routers, routing
+from mini_moe.layer import MlpExperts
+from mini_moe.model import MoeLayer
+
+D, E, T = 16, 4, 32
+
+
+@pytest.mark.parametrize("capacity, batch_priority", [(32, False), (6, False), (6, True), (3, False)])
+def test_threshold_token_choice_equals_the_loop(capacity, batch_priority):
+    scores = np.asarray(jax.random.normal(jax.random.key(0), (T, E)))  # about half are <= 0
+    rt = routing.token_choice(scores, capacity=capacity, k=E, batch_priority=batch_priority, min_score=0.0)
+    dispatch, combine = routing.token_choice_loop(scores, capacity=capacity, k=E, batch_priority=batch_priority,
+                                                  min_score=0.0)
+    np.testing.assert_array_equal(np.asarray(rt.dispatch), dispatch)
+    np.testing.assert_allclose(np.asarray(rt.combine), combine, rtol=1e-6)
+    reached = dispatch.any(-1)
+    assert not (reached & (scores <= 0)).any()  # no pick at a non-positive score
+    if capacity == T:  # ample buffers: exactly the positive scores
+        np.testing.assert_array_equal(reached, scores > 0)
+
+
+def _router(**kw):
+    return routers.make_router("remoe", D, E, rngs=nnx.Rngs(0), **kw)
+
+
+def test_gates_are_relu_and_the_combine_weights():
+    router = _router(k=2, capacity_factor=float(E), deterministic=True)
+    x = jax.random.normal(jax.random.key(1), (2, T, D))
+    out = router(x)
+    gates = np.maximum(np.asarray(x @ router.affinity.dense.kernel[...]), 0)
+    reached = np.asarray(out.routing.dispatch).any(-1)
+    np.testing.assert_array_equal(reached, gates > 0)
+    np.testing.assert_allclose(np.asarray(out.routing.combine).sum(-1), gates, rtol=1e-5, atol=1e-7)
+    # The number of experts per token varies.
+    per_token = reached.sum(-1)
+    assert per_token.min() < per_token.max()
+    np.testing.assert_allclose(float(out.metrics["active_experts"]), per_token.mean(), rtol=1e-6)
+
+
+def test_penalty_is_load_balanced_l1_times_lambda():
+    router = _router(k=1, l1_init=0.5, deterministic=True)
+    x = jax.random.normal(jax.random.key(2), (2, T, D))
+    out = router(x)
+    gates = np.maximum(np.asarray(x @ router.affinity.dense.kernel[...]), 0).reshape(-1, E)
+    f = E * (gates > 0).sum(0) / (1 * gates.shape[0])
+    np.testing.assert_allclose(float(out.aux_loss), 0.5 * np.mean((gates * f).sum(-1)), rtol=1e-5)
+
+
+def test_controller_moves_lambda_towards_the_target_sparsity():
+    x = jax.random.normal(jax.random.key(3), (2, T, D))
+    dense = _router(k=3, l1_init=1e-3, l1_rate=1.5)  # target sparsity 1 - 3/4: gates are sparser than that
+    dense(x)
+    assert float(dense.affinity.l1_weight[...]) == pytest.approx(1e-3 / 1.5)  # too sparse: less penalty
+    sparse = _router(k=1, l1_init=1e-3, l1_rate=1.5)  # target 3/4 zeros: about half are zero now
+    sparse(x)
+    assert float(sparse.affinity.l1_weight[...]) == pytest.approx(1e-3 * 1.5)  # not sparse enough: more
+    frozen = _router(k=1, l1_init=1e-3, deterministic=True)
+    frozen(x)
+    assert float(frozen.affinity.l1_weight[...]) == pytest.approx(1e-3)
+    # Not a parameter: no gradient, no optimizer, no weight decay.
+    assert "l1_weight" not in nnx.state(sparse, nnx.Param)["affinity"]
+    assert isinstance(sparse.affinity.l1_weight, routers.L1Weight)
+
+
+def test_dropless_remoe_equals_gather_with_ample_buffers():
+    x = jax.random.normal(jax.random.key(4), (2, T, D))
+
+    def layer(path, factor):
+        router = _router(k=1, capacity_factor=factor, deterministic=True)
+        return MoeLayer(router, MlpExperts(E, D, 8, rngs=nnx.Rngs(1)), path=path)
+
+    gather, dropless = layer("gather", float(E)), layer("dropless", 1.0)
+    y_gather, out = gather(x)
+    assert float(out.metrics["dropped"]) > 0  # tokens whose every gate is zero reach no expert
+    y_dropless, out_dropless = dropless(x)
+    np.testing.assert_allclose(y_dropless, y_gather, rtol=1e-5, atol=1e-5)
+    tight, _ = layer("gather", 1.0)(x)
+    assert float(jnp.abs(tight - y_gather).max()) > 1e-3  # at c = k the buffers overflow
+    np.testing.assert_allclose(float(out_dropless.metrics["active_experts"]), float(out.metrics["active_experts"]))
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="target_k"):
+        _router(k=5)
+    with pytest.raises(ValueError, match="l1_rate"):
+        _router(l1_rate=1.0)
