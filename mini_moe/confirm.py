@@ -222,6 +222,52 @@ def collect(out, dest, *, command: str | None = None) -> dict:
     return results
 
 
+def arm_label(router: str, capacity: float) -> str:
+    """``"softmax_expert_choice c=0.5"``; the dense ViT is ``"dense"``."""
+    return "dense" if router == "dense" else f"{router} c={capacity:g}"
+
+
+def plot(results: dict):
+    """The confirmatory study in two panels. Left: test accuracy of every arm, one line per seed
+    (the pairing the tests use). Right: each contrast's mean paired difference with its 95 %
+    confidence interval, the TOST equivalence band +-``tost_bound`` shaded; a filled marker
+    where Holm's adjusted two-sided p < alpha."""
+    import matplotlib.pyplot as plt
+
+    arms = [(a["router"], a["capacity"]) for a in results["arms"]]
+    acc = {_key(c): c[METRIC] for c in results["cells"]}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [1.2, 1]})
+    for seed in results["complete_seeds"]:
+        left.plot(range(len(arms)), [100 * acc[(*arm, seed)] for arm in arms], color="0.6", lw=0.8, marker="o", ms=3)
+    means = [[100 * acc[(*arm, s)] for s in results["complete_seeds"]] for arm in arms]
+    left.plot(range(len(arms)), [sum(m) / len(m) if m else float("nan") for m in means], "k_", ms=18, mew=2,
+              label="mean over seeds")
+    left.set_xticks(range(len(arms)), [arm_label(*arm).replace("_", " ").replace(" c=", "\nc=") for arm in arms],
+                    fontsize=7)
+    left.set_ylabel("test accuracy (%)")
+    left.set_title(f"{len(results['complete_seeds'])} paired seeds (one line each)", fontsize=10)
+    left.grid(alpha=0.3, axis="y")
+    left.legend(fontsize=8, loc="lower left")
+    rows = results["comparisons"]
+    bound = 100 * results["tost_bound"]
+    right.axvspan(-bound, bound, color="tab:green", alpha=0.15, label=f"TOST band +-{bound:g} points")
+    right.axvline(0, color="k", lw=0.8)
+    for i, row in enumerate(rows):
+        significant = row["p_holm"] < results["alpha"]
+        right.errorbar(100 * row["difference"], i, xerr=[[100 * (row["difference"] - row["ci_low"])],
+                                                         [100 * (row["ci_high"] - row["difference"])]],
+                       fmt="o", color="tab:blue", mfc="tab:blue" if significant else "white", capsize=3)
+    right.set_yticks(range(len(rows)), [row["name"] for row in rows], fontsize=8)
+    right.invert_yaxis()
+    right.set_xscale("symlog", linthresh=1.0)
+    right.set_xlabel("first arm minus second arm (points; symlog scale)")
+    right.set_title("contrasts: mean and 95 % CI (filled: p_Holm < 0.05)", fontsize=10)
+    right.grid(alpha=0.3, axis="x")
+    right.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mini_moe.confirm", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)

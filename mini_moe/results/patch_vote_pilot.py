@@ -50,6 +50,12 @@ GROUPS = {
     "arms": [run(r, s, capacity=c) for s in (0, 1) for r, c in ((SINK, 1.0), (SOFT, 1.0), (EC, 0.5))],
     # is dense still catching up? twice the steps
     "long": [run(r, 0, steps=4000) for r in (DENSE, EC)],
+    # the contrast: on Fashion-MNIST (its quick model: 7x7 patches, width 128), does the dense
+    # MLP's width matter at all?
+    "fmnist_width": [run(DENSE, 0, dataset="fashion_mnist", model_mlp_dim=w) for w in (16, 64, 256, 1024)],
+    # a better dense model of Fashion-MNIST (4x4 patches: 49 tokens), and Expert Choice on it
+    "fmnist_better": [run(r, 0, dataset="fashion_mnist", model_patch_size=4, model_dim=64, model_mlp_dim=128,
+                          steps=3000) for r in (DENSE, EC)],
 }
 
 
