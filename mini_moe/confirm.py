@@ -36,12 +36,14 @@ import sys
 from mini_moe import study
 from mini_moe.validate import InputError
 
-DATASET = "patch_vote"  # V = 4096 patches (mini_moe.data.patch_vote)
-SCALE = "quick"  # the patch_vote model: dim 64, depth 4, heads 4, MLPs and experts of 64, E = 8
-#: Identical for every arm, fixed in advance (not tuned per router): 2,000 steps of batch 128,
-#: AdamW at 2e-3 with 100 warm-up steps then cosine decay, aux-loss weight 0.01.
+#: The task, ``patch_vote`` with V = 4096 patches (:func:`mini_moe.data.patch_vote`).
+DATASET = "patch_vote"
+#: The scale of its configuration (width 64, depth 4, 4 heads, MLPs and experts of 64, E = 8).
+SCALE = "quick"
+#: The schedule, identical for every arm and fixed in advance (not tuned per router). 2,000 steps
+#: of batch 128, AdamW at 2e-3 with 100 warm-up steps then cosine decay, aux-loss weight 0.01.
 OVERRIDES = {"steps": 2000, "learning_rate": 2e-3, "warmup_steps": 100, "eval_every": 500}
-#: (router or None for the dense ViT, capacity factor c), in the order each seed runs them.
+#: The arms as (router or None for the dense ViT, capacity factor c), in the order each seed runs them.
 ARMS = (
     (None, 1.0),
     ("softmax_token_choice", 1.0),
@@ -50,9 +52,9 @@ ARMS = (
     ("soft_moe", 1.0),
     ("softmax_expert_choice", 0.5),
 )
-#: New seeds: the pilot used 0-2.
+#: Ten new seeds (the pilot used 0-2).
 SEEDS = tuple(range(100, 110))
-#: (name, claim, source, first arm, second arm); difference = first - second.
+#: The contrasts as (name, claim, source, first arm, second arm), difference = first - second.
 CONTRASTS = (
     ("positive_control", "Softmax Expert Choice (c = 1) beats the dense ViT of equal activated FLOPs",
      "V-MoE; issue 25's pilot", ("softmax_expert_choice", 1.0), ("dense", 1.0)),
@@ -67,9 +69,12 @@ CONTRASTS = (
     ("ec_half_vs_tc", "Softmax Expert Choice at c = 0.5 beats Softmax Token Choice at c = 1",
      "paper 003; paper 000", ("softmax_expert_choice", 0.5), ("softmax_token_choice", 1.0)),
 )
-METRIC = "test_accuracy"  # the primary metric (a fraction; differences are reported in it)
+#: The primary metric, test accuracy as a fraction (differences are reported in it).
+METRIC = "test_accuracy"
+#: The family-wise level of Holm's correction.
 ALPHA = 0.05
-BOUND = 0.005  # TOST equivalence bound: +-0.5 accuracy points
+#: The TOST equivalence bound, +-0.5 accuracy points.
+BOUND = 0.005
 PREREGISTRATION = "mini_moe/results/patch_vote-preregistration.md"
 
 

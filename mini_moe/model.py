@@ -30,8 +30,8 @@ from mini_moe.validate import InputError, check_int
 
 Array = Any
 DTYPES = ("float32", "bfloat16")  # compute dtypes of ModelConfig.dtype
-#: The MoE layer's paths: eq. (2) as einsum or gather (:func:`mini_moe.layer.moe`), or dropless
-#: Token Choice by sorting and grouped matmuls (:func:`mini_moe.layer.moe_sorted`).
+#: Every path of the MoE layer, eq. (2) as einsum or gather (:func:`mini_moe.layer.moe`) and
+#: dropless Token Choice by sorting and grouped matmuls (:func:`mini_moe.layer.moe_sorted`).
 MOE_PATHS = PATHS + ("dropless",)
 
 
@@ -89,7 +89,7 @@ class ModelConfig:
 
     @property
     def routed_experts(self) -> int:
-        """The number of routed experts: ``num_experts * fine_grained``."""
+        """``num_experts * fine_grained``, the number of routed experts."""
         return self.num_experts * self.fine_grained
 
     def routed_options(self) -> dict:
