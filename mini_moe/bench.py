@@ -365,33 +365,41 @@ def dropless_benchmarks(repeats: int) -> list[dict]:
     return results
 
 
-def loss_free_benchmarks(repeats: int) -> list[dict]:
+def loss_free_benchmarks(repeats: int, rounds: int = 7) -> list[dict]:
     """What auxiliary-loss-free balancing's bias update costs a training step: the quick
     Fashion-MNIST model with ``sigmoid_loss_free`` and ``group_limited``, bias update on
-    (``bias_rate=1e-3``) and off (``bias_rate=0``), ms per step (median)."""
+    (``bias_rate=1e-3``) and off (``bias_rate=0``). The two steps are timed in alternation,
+    ``rounds`` times ``repeats`` calls each, so that a change of load on the machine hits both;
+    ``overhead`` is the median over rounds of (with / without - 1)."""
     from mini_moe import config as config_lib
     from mini_moe import train as train_lib
 
     results = []
     for name in ("sigmoid_loss_free", "group_limited"):
-        row = {"router": name}
+        steps = {}
         for rate in (0.0, 1e-3):
             cfg = config_lib.get_config("quick", dataset="fashion_mnist", router=name,
                                         model_router_kwargs={"bias_rate": rate})
-            model, cfg_opt = train_lib.make_model(cfg), cfg
-            optimizer = train_lib.make_optimizer(model, cfg_opt)
+            model = train_lib.make_model(cfg)
+            optimizer = train_lib.make_optimizer(model, cfg)
             images = jax.random.normal(jax.random.PRNGKey(0), (cfg.batch_size, 28, 28, 1))
             labels = jnp.zeros((cfg.batch_size,), jnp.int32)
 
-            def step(model, optimizer, images, labels):
-                return train_lib.train_step(model, optimizer, images, labels, aux_weight=cfg.aux_loss_weight)["loss"]
+            def step(model, optimizer, images, labels, weight=cfg.aux_loss_weight):
+                return train_lib.train_step(model, optimizer, images, labels, aux_weight=weight)["loss"]
 
-            row["update_ms" if rate else "no_update_ms"] = round(time_fn(step, model, optimizer, images, labels,
-                                                                         repeats=max(5, repeats)), 3)
-        row["overhead"] = round(row["update_ms"] / row["no_update_ms"] - 1, 4)
+            steps[rate] = (step, (model, optimizer, images, labels))
+        times = {rate: [] for rate in steps}
+        for _ in range(rounds):
+            for rate, (step, args) in steps.items():
+                times[rate].append(time_fn(step, *args, repeats=repeats))
+        ratios = [with_ / without - 1 for with_, without in zip(times[1e-3], times[0.0])]
+        row = {"router": name, "no_update_ms": round(statistics.median(times[0.0]), 3),
+               "update_ms": round(statistics.median(times[1e-3]), 3), "overhead": round(statistics.median(ratios), 4),
+               "rounds": rounds}
         results.append(row)
         print(f"  loss-free {name:20s} {row['no_update_ms']:8.2f} ms without, {row['update_ms']:8.2f} ms with the "
-              f"bias update ({100 * row['overhead']:+.1f} %)", flush=True)
+              f"bias update ({100 * row['overhead']:+.1f} %, median of {rounds} alternating rounds)", flush=True)
     return results
 
 
