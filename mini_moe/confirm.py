@@ -247,8 +247,8 @@ def plot(results: dict):
     means = [[100 * acc[(*arm, s)] for s in results["complete_seeds"]] for arm in arms]
     left.plot(range(len(arms)), [sum(m) / len(m) if m else float("nan") for m in means], "k_", ms=18, mew=2,
               label="mean over seeds")
-    left.set_xticks(range(len(arms)), [arm_label(*arm).replace("_", " ").replace(" c=", "\nc=") for arm in arms],
-                    fontsize=7)
+    left.set_xticks(range(len(arms)), [arm_label(*arm).replace("_", " ") for arm in arms], fontsize=7,
+                    rotation=30, ha="right")
     left.set_ylabel("test accuracy (%)")
     left.set_title(f"{len(results['complete_seeds'])} paired seeds (one line each)", fontsize=10)
     left.grid(alpha=0.3, axis="y")
@@ -265,6 +265,8 @@ def plot(results: dict):
     right.set_yticks(range(len(rows)), [row["name"] for row in rows], fontsize=8)
     right.invert_yaxis()
     right.set_xscale("symlog", linthresh=1.0)
+    reach = max([abs(100 * row[key]) for row in rows for key in ("ci_low", "ci_high", "difference")] + [1.0])
+    right.set_xlim(-2 * reach, 2 * reach)
     right.set_xlabel("first arm minus second arm (points; symlog scale)")
     right.set_title("contrasts: mean and 95 % CI (filled: p_Holm < 0.05)", fontsize=10)
     right.grid(alpha=0.3, axis="x")
