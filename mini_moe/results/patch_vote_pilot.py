@@ -59,6 +59,37 @@ GROUPS = {
 }
 
 
+#: Reference models that are not ViTs, recorded like the runs (``router`` names the model).
+BASELINES = {
+    # scikit-learn's MLP (one hidden layer of 100, 30 epochs of Adam) on standardised pixels: the
+    # bar a dense ViT of Fashion-MNIST should clear before it is a testbed (issue 25).
+    "fmnist_mlp": "fashion_mnist-sklearn_mlp100-s0",
+}
+
+
+def sklearn_mlp(seed: int = 0) -> dict:
+    """scikit-learn's ``MLPClassifier(hidden_layer_sizes=(100,), max_iter=30)`` on Fashion-MNIST's
+    standardised pixels: test accuracy and training seconds."""
+    import warnings
+
+    import numpy as np
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.neural_network import MLPClassifier
+    from sklearn.preprocessing import StandardScaler
+
+    from mini_moe import data
+
+    train, test = data.load("fashion_mnist"), data.load("fashion_mnist", "test")
+    scaler = StandardScaler().fit(train.images.reshape(len(train), -1))
+    x_train, x_test = (scaler.transform(d.images.reshape(len(d), -1)) for d in (train, test))
+    tick = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # 30 epochs, as the issue's reference run
+        model = MLPClassifier(hidden_layer_sizes=(100,), max_iter=30, random_state=seed).fit(x_train, train.labels)
+    seconds = time.perf_counter() - tick
+    return {"test_accuracy": float(np.mean(model.predict(x_test) == test.labels)), "train_seconds": round(seconds, 2)}
+
+
 def name(spec) -> str:
     extra = "".join(f"-{k.removeprefix('model_')}{v}" for k, v in sorted(spec["overrides"].items()))
     return f"{spec['dataset']}{extra}-{study.cell_name(spec['router'], spec['capacity'], spec['seed'])}"
@@ -69,7 +100,17 @@ def main(groups) -> None:
         "what": "issue 25 pilot on patch_vote (exploratory): every run, finished or failed",
         "machine": bench.machine(), "runs": []}
     done = {r["name"] for r in record["runs"] if r["status"] == "ok"}
-    for group in groups:
+    for group in [g for g in groups if g in BASELINES]:
+        if BASELINES[group] in done:
+            continue
+        entry = {"name": BASELINES[group], "group": group, "router": "sklearn_mlp", "capacity": 1.0, "seed": 0,
+                 "dataset": "fashion_mnist", "overrides": {}, "status": "ok",
+                 "command": f"taskset -c 0 .venv/bin/python mini_moe/results/patch_vote_pilot.py {group}",
+                 **sklearn_mlp(0)}
+        record["runs"].append(entry)
+        OUT.write_text(json.dumps(record, indent=1) + "\n")
+        print(f"{entry['name']}: acc={100 * entry['test_accuracy']:.2f} train_s={entry['train_seconds']}", flush=True)
+    for group in [g for g in groups if g not in BASELINES]:
         for spec in GROUPS[group]:
             run_name = name(spec)
             if run_name in done:
@@ -104,7 +145,7 @@ def main(groups) -> None:
 
 
 if __name__ == "__main__":
-    unknown = [g for g in sys.argv[1:] if g not in GROUPS]
+    unknown = [g for g in sys.argv[1:] if g not in GROUPS and g not in BASELINES]
     if unknown or len(sys.argv) < 2:
-        sys.exit(f"usage: {shlex.quote(sys.argv[0])} GROUP [GROUP ...]; groups: {', '.join(GROUPS)}")
+        sys.exit(f"usage: {shlex.quote(sys.argv[0])} GROUP [GROUP ...]; groups: {', '.join([*GROUPS, *BASELINES])}")
     main(sys.argv[1:])
