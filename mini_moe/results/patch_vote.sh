@@ -42,25 +42,12 @@ case "$($RUN -c 'import mini_moe; print(mini_moe.__file__)')" in
   *) echo "patch_vote.sh: mini_moe does not import from $TREE" >&2; exit 2 ;;
 esac
 
-commit() {  # commit $DEST alone; wait while another git command holds the index
-  local lock tries
-  lock=$(git rev-parse --git-path index.lock)
-  for tries in $(seq 1 120); do
-    if [ -e "$lock" ]; then sleep 5; continue; fi
-    if git diff --quiet HEAD -- "$DEST" 2>/dev/null && git ls-files --error-unmatch -- "$DEST" >/dev/null 2>&1; then
-      return 0  # nothing new
-    fi
-    if git add -- "$DEST" && git commit -q -m "$1" -- "$DEST"; then return 0; fi
-    sleep 5
-  done
-  echo "patch_vote.sh: could not commit $DEST" >&2
-  return 1
-}
+source "$(dirname "$0")/commit_result.sh"
 
 for name in $($RUN -m mini_moe.confirm todo --dest "$DEST"); do
   $RUN -m mini_moe.confirm run "$name" --out "$OUT"
   $RUN -m mini_moe.confirm collect --out "$OUT" --dest "$DEST" --command "$COMMAND"
-  commit "patch_vote confirmatory study: cell $name"
+  commit_result "$DEST" "patch_vote confirmatory study: cell $name"
 done
 $RUN -m mini_moe.confirm collect --out "$OUT" --dest "$DEST" --command "$COMMAND"
-commit "patch_vote confirmatory study: every cell"
+commit_result "$DEST" "patch_vote confirmatory study: every cell"

@@ -12,27 +12,14 @@ DEST=mini_moe/results/subtasks-converged-$MACHINE.json
 ROUTERS="dense dense_wide softmax_token_choice sinkhorn_token_choice svmoe softmax_expert_choice
  sinkhorn_expert_choice sparsity_constrained_expert_choice soft_moe"
 
-commit() {  # commit $DEST alone; wait while another git command holds the index
-  local lock tries
-  lock=$(git rev-parse --git-path index.lock)
-  for tries in $(seq 1 120); do
-    if [ -e "$lock" ]; then sleep 5; continue; fi
-    if git diff --quiet HEAD -- "$DEST" 2>/dev/null && git ls-files --error-unmatch -- "$DEST" >/dev/null 2>&1; then
-      return 0
-    fi
-    if git add -- "$DEST" && git commit -q -m "$1" -- "$DEST"; then return 0; fi
-    sleep 5
-  done
-  echo "subtasks_converged.sh: could not commit $DEST" >&2
-  return 1
-}
+source "$(dirname "$0")/commit_result.sh"
 
 for seed in 0 1 2 3 4 5 6 7; do
   for freq in uniform skewed; do
     for router in $ROUTERS; do
       $PY -m mini_moe subtasks --routers "$router" --frequencies "$freq" --seeds "$seed" --steps 20000 \
         --patience 1000 --out "$DEST" > /dev/null
-      commit "subtasks to convergence: $router $freq seed $seed"
+      commit_result "$DEST" "subtasks to convergence: $router $freq seed $seed"
     done
   done
 done
