@@ -28,21 +28,8 @@ if [ -z "${SOURCE:-}" ]; then
     2>/dev/null || true)
   SOURCE=${SOURCE:-$(git rev-parse HEAD)}
 fi
-TREE=runs/patch_vote-source
-if [ "$(git -C "$TREE" rev-parse HEAD 2>/dev/null || true)" != "$(git rev-parse "$SOURCE")" ]; then
-  git worktree remove --force "$TREE" 2>/dev/null || rm -rf "$TREE"
-  git worktree prune
-  git worktree add -q --detach "$TREE" "$SOURCE"
-fi
-echo "patch_vote.sh: training with the code of $(git -C "$TREE" rev-parse --short HEAD) in $TREE"
-# PYTHONSAFEPATH: `python -m` must not put the current folder (this checkout's mini_moe) first.
-RUN="env PYTHONSAFEPATH=1 PYTHONPATH=$PWD/$TREE $PY"
-case "$($RUN -c 'import mini_moe; print(mini_moe.__file__)')" in
-  "$PWD/$TREE/"*) ;;
-  *) echo "patch_vote.sh: mini_moe does not import from $TREE" >&2; exit 2 ;;
-esac
-
 source "$(dirname "$0")/commit_result.sh"
+pin_source runs/patch_vote-source "$SOURCE"
 
 for name in $($RUN -m mini_moe.confirm todo --dest "$DEST"); do
   $RUN -m mini_moe.confirm run "$name" --out "$OUT"

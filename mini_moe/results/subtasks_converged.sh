@@ -4,7 +4,9 @@
 # mini_moe.subtasks.SubtaskConfig. Seed by seed, one run per command, and the results file is
 # committed alone after every run; stop it at any time and run the same command to continue
 # (runs already in the file are skipped). From the repository root after `make venv`:
-#   taskset -c 0 bash mini_moe/results/subtasks_converged.sh
+#   taskset -c 1 bash mini_moe/results/subtasks_converged.sh
+# Every run trains with the same code: a detached worktree (runs/subtasks-source) at SOURCE, by
+# default the commit before the one that first committed the results file (HEAD when none).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 MACHINE=${MACHINE:-cpu-2core-epyc}
@@ -13,11 +15,17 @@ ROUTERS="dense dense_wide softmax_token_choice sinkhorn_token_choice svmoe softm
  sinkhorn_expert_choice sparsity_constrained_expert_choice soft_moe"
 
 source "$(dirname "$0")/commit_result.sh"
+if [ -z "${SOURCE:-}" ]; then
+  FIRST=$(git log --diff-filter=A --format=%H -- "$DEST" | tail -1)
+  SOURCE=${FIRST:+$FIRST^}
+  SOURCE=${SOURCE:-$(git rev-parse HEAD)}
+fi
+pin_source runs/subtasks-source "$SOURCE"
 
 for seed in 0 1 2 3 4 5 6 7; do
   for freq in uniform skewed; do
     for router in $ROUTERS; do
-      $PY -m mini_moe subtasks --routers "$router" --frequencies "$freq" --seeds "$seed" --steps 20000 \
+      $RUN -m mini_moe subtasks --routers "$router" --frequencies "$freq" --seeds "$seed" --steps 20000 \
         --patience 1000 --out "$DEST" > /dev/null
       commit_result "$DEST" "subtasks to convergence: $router $freq seed $seed"
     done
