@@ -602,6 +602,9 @@ class Router(nnx.Module):
             budget = budget._replace(capacity=num_tokens)  # an expert can take every token once
         rt = self.allocation(affinities, budget)
         metrics = routing.routing_metrics(rt)
+        if isinstance(self.allocation, TokenChoice):  # the demand before capacity cuts it
+            load = routing.pick_load(affinities.scores, k=self.allocation.k, min_score=self.allocation.min_score)
+            metrics["max_violation"] = routing.max_violation(load)
         metrics.update(affinities.metrics)
         probs = affinities.probs if affinities.probs is not None else rt.combine.sum(axis=-1)
         return RouterOutput(rt, jnp.asarray(affinities.aux_loss, jnp.float32), metrics, probs, affinities)

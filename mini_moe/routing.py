@@ -332,3 +332,25 @@ def routing_metrics(routing: Routing) -> dict[str, Array]:
         "tokens_per_expert": jnp.mean(nonzero.sum(axis=(-3, -1)), axis=lead),
         "buffer_fill": jnp.mean(nonzero.any(axis=-3)),
     }
+
+
+def pick_load(scores: Array, *, k: int = 1, min_score: float | None = None) -> Array:
+    """How many tokens pick each expert, over every token of every group: ``[E]``.
+
+    A token's picks are its ``k`` highest scores (those above ``min_score`` when it is given),
+    counted before any capacity limit: the demand the experts see, which Token Choice then cuts
+    to C per expert and group. ``scores [..., T, E]``.
+    """
+    num_experts = np.shape(scores)[-1]
+    values, picks = jax.lax.top_k(jnp.asarray(scores), k)  # [..., T, k]
+    made = jnp.ones_like(values) if min_score is None else (values > min_score).astype(values.dtype)
+    counts = jnp.sum(jax.nn.one_hot(picks, num_experts, dtype=values.dtype) * made[..., None], axis=-2)
+    return counts.reshape(-1, num_experts).sum(0)
+
+
+def max_violation(load: Array) -> Array:
+    """``max_e load_e / mean_e load_e - 1``, the "MaxVio" of Wang et al. 2024 (arXiv 2408.15664,
+    eq. 6): 0 when every expert gets the same load, ``E - 1`` when one expert gets all of it
+    (and 0 when nothing is loaded). ``load [E]``, e.g. :func:`pick_load`."""
+    mean = jnp.mean(load)
+    return jnp.where(mean > 0, jnp.max(load) / jnp.where(mean > 0, mean, 1.0) - 1.0, 0.0)

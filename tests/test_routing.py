@@ -1,6 +1,7 @@
 """Allocation (Algorithms 1 and 2, Soft MoE softmaxes): invariants and loop == vectorised."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -262,3 +263,22 @@ def test_every_place_that_sizes_slots_uses_routing_capacity(tokens, experts, fac
     shape = bench.LAYER_SHAPES["quick"]
     router, _ = bench._router_and_tokens("soft_moe", "quick", nnx.Rngs(0))
     assert router.affinity.slots_per_expert == routing.capacity(shape[1], shape[5], 1.0)
+
+
+def test_pick_load_and_max_violation_count_the_demand_before_capacity():
+    rng = np.random.default_rng(0)
+    scores = rng.random((3, 10, 4)).astype(np.float32)
+    for k in (1, 2, 4):
+        expected = np.zeros(4)
+        for row in scores.reshape(-1, 4):
+            expected[np.argsort(-row, kind="stable")[:k]] += 1
+        load = np.asarray(routing.pick_load(scores, k=k))
+        np.testing.assert_array_equal(load, expected)  # counts: exact
+        np.testing.assert_allclose(float(routing.max_violation(load)), expected.max() / expected.mean() - 1, rtol=1e-6)
+    # min_score: only the scores above it are picks (ReLU routing)
+    gates = np.maximum(scores - 0.5, 0.0)
+    np.testing.assert_array_equal(np.asarray(routing.pick_load(gates, k=4, min_score=0.0)), (gates > 0).sum((0, 1)))
+    # the extremes: balanced -> 0, everything on one expert -> E - 1, nothing -> 0
+    assert float(routing.max_violation(jnp.array([5.0, 5.0, 5.0, 5.0]))) == 0.0
+    assert float(routing.max_violation(jnp.array([20.0, 0.0, 0.0, 0.0]))) == 3.0
+    assert float(routing.max_violation(jnp.zeros(4))) == 0.0
