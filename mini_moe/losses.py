@@ -70,7 +70,7 @@ def load_loss(logits: Array, noisy_logits: Array, *, k: int, noise_std: float) -
 BALANCE_SCOPES = ("group", "batch")
 
 
-def switch_loss(probs: Array, *, k: int = 1, scope: str = "group") -> Array:
+def switch_loss(probs: Array, *, k: int = 1, scope: str = "group", axis_name: str | None = None) -> Array:
     """Switch Transformer / GShard balancing loss ``E * sum_i f_i P_i``.
 
     ``f_i`` is the fraction of the group's top-k picks that go to expert i (the argmax picks,
@@ -87,6 +87,10 @@ def switch_loss(probs: Array, *, k: int = 1, scope: str = "group") -> Array:
         ``"batch"``: over every token of the batch at once (Qwen's global-batch balance, arXiv
         2501.11873): a group may then be unbalanced as long as the batch is. Inside ``jit`` over
         a sharded batch the means are global (XLA adds the cross-device sums).
+      axis_name: with ``scope="batch"`` inside ``shard_map``, where each device holds part of the
+        batch: the mesh axis (or axes) the batch is split over (e.g. ``"data"``); the counts and
+        probabilities are summed over it with ``psum``, so every device gets the global-batch
+        loss. None outside ``shard_map``.
 
     Returns:
       Scalar, averaged over leading (group) axes.
@@ -99,8 +103,13 @@ def switch_loss(probs: Array, *, k: int = 1, scope: str = "group") -> Array:
     if scope == "batch":  # one group of every token (Qwen's global-batch balance)
         probs = probs.reshape(1, -1, num_experts)
     picks = jax.lax.top_k(probs, k)[1]  # [..., T, k]
-    fraction = jax.nn.one_hot(picks, num_experts, dtype=probs.dtype).sum(-2).mean(-2) / k  # [..., E]
-    mean_prob = probs.mean(-2)  # [..., E]
+    counts = jax.nn.one_hot(picks, num_experts, dtype=probs.dtype).sum(-2)  # [..., T, E]
+    if scope == "batch" and axis_name is not None:  # the batch is split over devices: global sums
+        tokens = jax.lax.psum(probs.shape[-2], axis_name)
+        fraction = jax.lax.psum(counts.sum(-2), axis_name) / (tokens * k)
+        mean_prob = jax.lax.psum(probs.sum(-2), axis_name) / tokens
+    else:
+        fraction, mean_prob = counts.mean(-2) / k, probs.mean(-2)  # [..., E]
     return jnp.mean(num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob, axis=-1))
 
 

@@ -106,6 +106,27 @@ def check_training_runs_sharded(tmp):
     print("sharded training matches single-device training")
 
 
+def check_global_batch_balance_loss():
+    """The global-batch Switch loss under shard_map, its counts psum-ed over the data axis, equals
+    the loss of the whole batch on one device (and differs from the per-group loss)."""
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from mini_moe import losses
+
+    mesh = Mesh(np.asarray(jax.devices()[:8]), ("data",))
+    # 8 groups of 16 tokens; group g sends most of its tokens to expert g % 4: unbalanced per
+    # group, nearly balanced over the batch
+    logits = jax.random.normal(jax.random.key(0), (8, 16, 4)) + 3.0 * jax.nn.one_hot(jnp.arange(8) % 4, 4)[:, None]
+    probs = jax.nn.softmax(logits, -1)
+    for k in (1, 2):
+        local = jax.shard_map(lambda p: losses.switch_loss(p, k=k, scope="batch", axis_name="data")[None],
+                              mesh=mesh, in_specs=P("data"), out_specs=P("data"))(probs)
+        whole = losses.switch_loss(probs, k=k, scope="batch")
+        np.testing.assert_allclose(np.asarray(local), float(whole), rtol=1e-6)  # every device: the global loss
+        assert float(losses.switch_loss(probs, k=k, scope="group")) > float(whole) + 0.5
+    print("global-batch balance loss under shard_map: ok")
+
+
 def check_errors():
     mesh = parallel.make_mesh(2, 4)
     for call, match in [
@@ -130,4 +151,5 @@ if __name__ == "__main__":
     check_sparse_path_never_reads_dense_tensors()
     check_training_runs_sharded(sys.argv[1])
     check_errors()
+    check_global_batch_balance_loss()
     print("ALL OK")
