@@ -184,6 +184,40 @@ def dense_mlp_ms(shape: str = "quick", *, repeats: int = 20) -> float:
     return time_fn(_fwd_bwd(lambda m, x: m(x)), DenseMlp(dim, hidden, rngs=nnx.Rngs(0)), x, repeats=repeats)
 
 
+def experts_only_ms(shape: str = "quick", *, repeats: int = 20) -> float:
+    """Forward + backward time (ms) of the E experts alone on their E * C slots (c = 1), no
+    routing: the part of the layer no router can avoid. On a CPU the E-fold larger expert
+    weights (memory traffic) can make this alone exceed the dense MLP."""
+    per_group, tokens, groups, dim, hidden, experts = LAYER_SHAPES[shape]
+    slots = jnp.ones((experts, groups * routing_lib.capacity(per_group * tokens, experts, 1.0), dim))
+    module = layer_lib.MlpExperts(experts, dim, hidden, rngs=nnx.Rngs(0))
+    return time_fn(_fwd_bwd(lambda m, x: m(x)), module, slots, repeats=repeats)
+
+
+def layer_breakdown_benchmarks(repeats: int, shape: str = "quick") -> list[dict]:
+    """Where an MoE layer's time over the dense MLP goes, at ``LAYER_SHAPES[shape]``, measured in
+    one process: per router the whole layer, the experts alone on their slots and the router
+    alone (forward + backward of its combine tensor and auxiliary loss), all in ms. The layer's
+    excess over the experts alone is routing plus dispatch/combine; ``router_share`` is the
+    router's part of that excess."""
+    dense_ms = dense_mlp_ms(shape, repeats=repeats)
+    experts_ms = experts_only_ms(shape, repeats=repeats)
+    print(f"  breakdown {shape:5s} dense MLP {dense_ms:.2f} ms, experts alone {experts_ms:.2f} ms", flush=True)
+    results = []
+    for name in sorted(routers_lib.ROUTERS):
+        layer_ms = moe_layer_ms(name, shape, repeats=repeats)
+        router, x = _router_and_tokens(name, shape, nnx.Rngs(0))
+        router_ms = time_fn(_fwd_bwd(_routing_output), router, x, repeats=repeats)
+        excess = layer_ms - experts_ms
+        results.append({"shape": shape, "router": name, "dense_ms": round(dense_ms, 3),
+                        "experts_only_ms": round(experts_ms, 3), "layer_ms": round(layer_ms, 3),
+                        "router_ms": round(router_ms, 3), "ratio": round(layer_ms / dense_ms, 3),
+                        "router_share": round(router_ms / excess, 3) if excess > 0 else None})
+        print(f"  breakdown {shape:5s} {name:36s} layer {layer_ms:8.2f} ms (x{layer_ms / dense_ms:.2f}), "
+              f"router alone {router_ms:8.2f} ms", flush=True)
+    return results
+
+
 def layer_benchmarks(repeats: int) -> list[dict]:
     """Every router's MoE layer against the dense MLP of equal activated FLOPs at each of
     :data:`LAYER_SHAPES`, with the achieved rate of useful FLOPs (:func:`mlp_flops`) and its
@@ -198,17 +232,11 @@ def layer_benchmarks(repeats: int) -> list[dict]:
         return row
 
     for shape_name, (per_group, tokens, groups, dim, hidden, experts) in LAYER_SHAPES.items():
-        rng = nnx.Rngs(0)
         flops = mlp_flops(groups * per_group * tokens, dim, hidden)
         dense_ms = dense_mlp_ms(shape_name, repeats=repeats)
         results.append(rate({"shape": shape_name, "router": "dense_mlp", "ms": round(dense_ms, 3), "ratio": 1.0},
                             flops))
-        # The experts alone on their E * C slots: the part no router can avoid. On a CPU the
-        # E-fold larger expert weights (memory traffic) can make this alone exceed the dense MLP.
-        cap = routing_lib.capacity(per_group * tokens, experts, 1.0)
-        slots = jnp.ones((experts, groups * cap, dim))
-        experts_ms = time_fn(_fwd_bwd(lambda m, x: m(x)), layer_lib.MlpExperts(experts, dim, hidden, rngs=rng),
-                             slots, repeats=repeats)
+        experts_ms = experts_only_ms(shape_name, repeats=repeats)
         results.append(rate({"shape": shape_name, "router": "experts_only", "ms": round(experts_ms, 3),
                              "ratio": round(experts_ms / dense_ms, 3)}, flops))
         print(f"  layer {shape_name:5s} {'experts_only':36s} {experts_ms:9.2f} ms  x{experts_ms / dense_ms:.2f}", flush=True)
@@ -404,7 +432,7 @@ def loss_free_benchmarks(repeats: int, rounds: int = 7) -> list[dict]:
 
 
 #: The parts of :func:`run`, in order; ``python -m mini_moe bench --only`` offers these names.
-PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks,
+PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks, "layer_breakdown": layer_breakdown_benchmarks,
          "soft_moe_experts": soft_moe_expert_benchmarks, "training": training_benchmarks,
          "sparsity_solver": sparsity_solver_benchmarks, "dropless": dropless_benchmarks,
          "loss_free": loss_free_benchmarks}
@@ -436,6 +464,9 @@ def summary(results: dict) -> str:
         extra = f"  x{r['ratio_to_experts_only']:.2f} experts-only" if "ratio_to_experts_only" in r else ""
         lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense{extra}"
                      f"  {r.get('gflops_per_s', 0):7.1f} GFLOP/s")
+    for r in results.get("layer_breakdown", []):
+        lines.append(f"breakdown {r['shape']:5s} {r['router']:36s} layer {r['layer_ms']:8.2f} ms  x{r['ratio']:.2f} dense, "
+                     f"experts alone {r['experts_only_ms']:.2f} ms, router alone {r['router_ms']:.2f} ms")
     for r in results.get("soft_moe_experts", []):
         lines.append(f"soft_moe E={r['experts']:4d} {r['ms']:9.2f} ms  x{r['ratio_to_E8']:.2f} of E=8")
     for r in results.get("sparsity_solver", []):

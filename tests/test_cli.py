@@ -44,6 +44,22 @@ def test_bench_routers_times_every_router_forward_and_backward(monkeypatch):
     assert all(r["forward_ms"] == 2.0 and r["forward_backward_ms"] == 2.0 for r in rows)
 
 
+def test_bench_layer_breakdown_splits_the_excess_over_the_experts(monkeypatch):
+    """Per router: the layer, the experts alone and the router alone, from the same timings;
+    the router's share is its time over the layer's excess over the experts alone."""
+    from mini_moe.routers import ROUTERS
+
+    # time_fn order: dense MLP, experts alone, then per router the layer and the router alone.
+    times = iter([4.0, 3.0] + [9.0, 2.0] * len(ROUTERS))
+    monkeypatch.setattr(bench, "time_fn", lambda fn, *args, repeats=20: next(times))
+    rows = bench.run(repeats=1, only="layer_breakdown")["layer_breakdown"]
+    assert sorted(r["router"] for r in rows) == sorted(ROUTERS)
+    for r in rows:
+        assert (r["dense_ms"], r["experts_only_ms"], r["layer_ms"], r["router_ms"]) == (4.0, 3.0, 9.0, 2.0)
+        assert r["ratio"] == 2.25 and r["router_share"] == pytest.approx(2.0 / 6.0, abs=1e-3)
+    assert "router alone 2.00 ms" in bench.summary({"machine": bench.machine(), "layer_breakdown": rows})
+
+
 def test_bench_sparsity_solver_reports_ratio_error_and_gap_to_pot(monkeypatch):
     """The solver benchmark at a tiny shape: the ratio is the two routers' times, and the
     objective gap is F minus POT's optimum, computed here again from the same group."""

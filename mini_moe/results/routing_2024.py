@@ -12,8 +12,9 @@ the next seed, so a stopped run holds complete paired seeds. Each run trains und
 ``mini_moe/results/routing_2024-<MACHINE>.json``: the config, test accuracy, the mechanism metrics
 of :func:`mini_moe.evaluate.mechanisms`, the training log every 100 steps (loss, accuracy and the
 router's metrics: dropped tokens, the load's max violation, the bias spread, ...), and per MoE
-layer the tokens each expert processed and the histogram of experts per token on the test set.
-Runs already recorded are skipped, so the script resumes.
+layer the tokens each expert processed and the histogram of experts per token on the test set,
+and the CPU it trained on (``cpu``: times compare only between runs on the same machine). Runs
+already recorded are skipped, so the script resumes.
 
 All arms activate the same FLOPs per token except ``tc_c2`` and the dropless ones, whose cost
 depends on the routing (that is what chapter 13 measures).
@@ -33,7 +34,7 @@ import numpy as np
 from mini_moe import bench, confirm, evaluate, study, train
 from mini_moe import config as config_lib
 
-MACHINE = os.environ.get("MACHINE", "cpu-2core-epyc")
+MACHINE = os.environ.get("MACHINE", "cpu-2core-xeon")
 OUT = pathlib.Path(f"mini_moe/results/routing_2024-{MACHINE}.json")
 RUNS = pathlib.Path("runs/routing_2024")
 SEEDS = (0, 1, 2)
@@ -107,7 +108,7 @@ def main(arms) -> None:
             if (arm, seed) in done:
                 continue
             tick = time.perf_counter()
-            entry = run(arm, seed)
+            entry = {**run(arm, seed), "cpu": bench.machine()["cpu"]}
             record["runs"].append(entry)
             record["machine"]["date_last"] = bench.machine()["date"]
             OUT.write_text(json.dumps(record, indent=1) + "\n")
