@@ -64,6 +64,8 @@ def committed(name: str) -> dict:
 
 
 def machine() -> dict:
+    """The machine a result was measured on: CPU model, cores (``cores_used``: those this
+    process may run on, e.g. 1 under ``taskset -c 0``), versions, backend, devices and date."""
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -71,7 +73,9 @@ def machine() -> dict:
     except OSError:
         pass
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+        "cpu": cpu, "cores": os.cpu_count(),
+        "cores_used": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "platform": platform.platform(),
         "python": sys.version.split()[0], "jax": jax.__version__, "mini_moe": mini_moe.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
@@ -135,12 +139,14 @@ def _router_and_tokens(name: str, shape: str, rngs: nnx.Rngs, **router_kwargs):
     return router, x
 
 
-def moe_layer_ms(name: str, shape: str = "quick", *, repeats: int = 20, **router_kwargs) -> float:
+def moe_layer_ms(name: str, shape: str = "quick", *, repeats: int = 20, hidden: int | None = None,
+                 **router_kwargs) -> float:
     """Forward + backward time (ms, median) of one MoE layer with router ``name`` at the
-    ``LAYER_SHAPES[shape]`` sizes: router + experts + eq. (2)."""
+    ``LAYER_SHAPES[shape]`` sizes (``hidden`` replaces its H): router + experts + eq. (2)."""
     rng = nnx.Rngs(0)
     router, x = _router_and_tokens(name, shape, rng, **router_kwargs)
-    _, _, _, dim, hidden, experts = LAYER_SHAPES[shape]
+    _, _, _, dim, shape_hidden, experts = LAYER_SHAPES[shape]
+    hidden = hidden or shape_hidden
     module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
     return time_fn(_fwd_bwd(_layer_output), module, x, repeats=repeats)
 
@@ -177,51 +183,68 @@ def router_benchmarks(repeats: int, shape: str = "quick") -> list[dict]:
     return results
 
 
-def dense_mlp_ms(shape: str = "quick", *, repeats: int = 20) -> float:
-    """Forward + backward time (ms) of the dense MLP with the MoE layer's activated FLOPs."""
-    per_group, tokens, groups, dim, hidden, _ = LAYER_SHAPES[shape]
+def dense_mlp_ms(shape: str = "quick", *, repeats: int = 20, hidden: int | None = None) -> float:
+    """Forward + backward time (ms) of the dense MLP with the MoE layer's activated FLOPs
+    (``hidden`` replaces the shape's H)."""
+    per_group, tokens, groups, dim, shape_hidden, _ = LAYER_SHAPES[shape]
+    hidden = hidden or shape_hidden
     x = jax.random.normal(jax.random.PRNGKey(0), (groups, per_group * tokens, dim))
     return time_fn(_fwd_bwd(lambda m, x: m(x)), DenseMlp(dim, hidden, rngs=nnx.Rngs(0)), x, repeats=repeats)
 
 
-def experts_only_ms(shape: str = "quick", *, repeats: int = 20) -> float:
+def experts_only_ms(shape: str = "quick", *, repeats: int = 20, hidden: int | None = None) -> float:
     """Forward + backward time (ms) of the E experts alone on their E * C slots (c = 1), no
-    routing: the part of the layer no router can avoid. On a CPU the E-fold larger expert
-    weights (memory traffic) can make this alone exceed the dense MLP."""
-    per_group, tokens, groups, dim, hidden, experts = LAYER_SHAPES[shape]
+    routing: the part of the layer no router can avoid (``hidden`` replaces the shape's H). On
+    a CPU the E-fold larger expert weights (memory traffic) can make this alone exceed the
+    dense MLP."""
+    per_group, tokens, groups, dim, shape_hidden, experts = LAYER_SHAPES[shape]
+    hidden = hidden or shape_hidden
     slots = jnp.ones((experts, groups * routing_lib.capacity(per_group * tokens, experts, 1.0), dim))
     module = layer_lib.MlpExperts(experts, dim, hidden, rngs=nnx.Rngs(0))
     return time_fn(_fwd_bwd(lambda m, x: m(x)), module, slots, repeats=repeats)
 
 
-def layer_breakdown_benchmarks(repeats: int, shape: str = "quick") -> list[dict]:
-    """Where an MoE layer's time over the dense MLP goes, at ``LAYER_SHAPES[shape]``, measured in
-    one process: per router the whole layer, the experts alone on their slots and the router
-    alone (forward + backward of its combine tensor and auxiliary loss), all in ms. The layer's
-    excess over the experts alone is routing plus dispatch/combine; ``router_share`` is the
-    router's part of that excess."""
-    dense_ms = dense_mlp_ms(shape, repeats=repeats)
-    experts_ms = experts_only_ms(shape, repeats=repeats)
-    print(f"  breakdown {shape:5s} dense MLP {dense_ms:.2f} ms, experts alone {experts_ms:.2f} ms", flush=True)
+def equal_flops_options(name: str) -> dict:
+    """Router options under which router ``name``'s layer activates the dense MLP's FLOPs:
+    Token Choice at k = 1 (and c = 1, the routers' default capacity factor for k = 1); Expert
+    Choice and Soft MoE at their defaults (c = 1, one slot per token on average)."""
+    return {"k": 1} if routers_lib.spec(name).allocation == "token" else {}
+
+
+#: The MLP widths H of :func:`layer_width_benchmarks` (the quick model's H = 128, then 4x and 16x).
+LAYER_WIDTHS = (128, 512, 2048)
+
+
+def layer_width_benchmarks(repeats: int, shape: str = "quick", widths=LAYER_WIDTHS) -> list[dict]:
+    """What bounds an MoE layer against the dense MLP at a small shape: every router's layer,
+    the experts alone on their slots and the dense MLP at ``LAYER_SHAPES[shape]`` with the
+    hidden width H replaced by each of ``widths`` (forward + backward, ms). Routing, dispatch
+    and combine work on ``[T, E]`` and ``[T, D]`` arrays whatever H is, so ``excess_ms`` (layer
+    minus dense MLP) stays roughly fixed while the MLP's time grows with H. Token Choice routers
+    run at k = 1 (c = 1), so that every layer activates the dense MLP's FLOPs."""
     results = []
-    for name in sorted(routers_lib.ROUTERS):
-        layer_ms = moe_layer_ms(name, shape, repeats=repeats)
-        router, x = _router_and_tokens(name, shape, nnx.Rngs(0))
-        router_ms = time_fn(_fwd_bwd(_routing_output), router, x, repeats=repeats)
-        excess = layer_ms - experts_ms
-        results.append({"shape": shape, "router": name, "dense_ms": round(dense_ms, 3),
-                        "experts_only_ms": round(experts_ms, 3), "layer_ms": round(layer_ms, 3),
-                        "router_ms": round(router_ms, 3), "ratio": round(layer_ms / dense_ms, 3),
-                        "router_share": round(router_ms / excess, 3) if excess > 0 else None})
-        print(f"  breakdown {shape:5s} {name:36s} layer {layer_ms:8.2f} ms (x{layer_ms / dense_ms:.2f}), "
-              f"router alone {router_ms:8.2f} ms", flush=True)
+    for hidden in widths:
+        dense_ms = dense_mlp_ms(shape, repeats=repeats, hidden=hidden)
+        experts_ms = experts_only_ms(shape, repeats=repeats, hidden=hidden)
+        print(f"  width {shape:5s} H={hidden:5d} dense MLP {dense_ms:8.2f} ms, experts alone {experts_ms:8.2f} ms",
+              flush=True)
+        for name in sorted(routers_lib.ROUTERS):
+            options = equal_flops_options(name)
+            layer_ms = moe_layer_ms(name, shape, repeats=repeats, hidden=hidden, **options)
+            results.append({"shape": shape, "hidden": hidden, "router": name, "options": options,
+                            "dense_ms": round(dense_ms, 3), "experts_only_ms": round(experts_ms, 3),
+                            "layer_ms": round(layer_ms, 3), "ratio": round(layer_ms / dense_ms, 3),
+                            "excess_ms": round(layer_ms - dense_ms, 3)})
+            print(f"  width {shape:5s} H={hidden:5d} {name:36s} {layer_ms:8.2f} ms  x{layer_ms / dense_ms:.2f}",
+                  flush=True)
     return results
 
 
 def layer_benchmarks(repeats: int) -> list[dict]:
     """Every router's MoE layer against the dense MLP of equal activated FLOPs at each of
     :data:`LAYER_SHAPES`, with the achieved rate of useful FLOPs (:func:`mlp_flops`) and its
-    fraction of the measured matmul peak (:func:`matmul_peak_gflops`, first row)."""
+    fraction of the measured matmul peak (:func:`matmul_peak_gflops`, first row). Token Choice
+    routers run at k = 1 (:func:`equal_flops_options`)."""
     peak = matmul_peak_gflops()
     results = [{"shape": "-", "router": "matmul_peak", "gflops_per_s": round(peak, 2)}]
     print(f"  matmul peak {peak:.1f} GFLOP/s (float32, 2048^3)", flush=True)
@@ -241,8 +264,9 @@ def layer_benchmarks(repeats: int) -> list[dict]:
                              "ratio": round(experts_ms / dense_ms, 3)}, flops))
         print(f"  layer {shape_name:5s} {'experts_only':36s} {experts_ms:9.2f} ms  x{experts_ms / dense_ms:.2f}", flush=True)
         for name in sorted(routers_lib.ROUTERS):
-            ms = moe_layer_ms(name, shape_name, repeats=repeats)
-            results.append(rate({"shape": shape_name, "router": name, "ms": round(ms, 3),
+            options = equal_flops_options(name)
+            ms = moe_layer_ms(name, shape_name, repeats=repeats, **options)
+            results.append(rate({"shape": shape_name, "router": name, "options": options, "ms": round(ms, 3),
                                  "ratio": round(ms / dense_ms, 3), "ratio_to_experts_only": round(ms / experts_ms, 3)},
                                 flops))
             print(f"  layer {shape_name:5s} {name:36s} {ms:9.2f} ms  x{ms / dense_ms:.2f}", flush=True)
@@ -432,7 +456,7 @@ def loss_free_benchmarks(repeats: int, rounds: int = 7) -> list[dict]:
 
 
 #: The parts of :func:`run`, in order; ``python -m mini_moe bench --only`` offers these names.
-PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks, "layer_breakdown": layer_breakdown_benchmarks,
+PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks, "layer_width": layer_width_benchmarks,
          "soft_moe_experts": soft_moe_expert_benchmarks, "training": training_benchmarks,
          "sparsity_solver": sparsity_solver_benchmarks, "dropless": dropless_benchmarks,
          "loss_free": loss_free_benchmarks}
@@ -464,9 +488,9 @@ def summary(results: dict) -> str:
         extra = f"  x{r['ratio_to_experts_only']:.2f} experts-only" if "ratio_to_experts_only" in r else ""
         lines.append(f"layer {r['shape']:5s} {r['router']:36s} {r['ms']:9.2f} ms  x{r['ratio']:.2f} dense{extra}"
                      f"  {r.get('gflops_per_s', 0):7.1f} GFLOP/s")
-    for r in results.get("layer_breakdown", []):
-        lines.append(f"breakdown {r['shape']:5s} {r['router']:36s} layer {r['layer_ms']:8.2f} ms  x{r['ratio']:.2f} dense, "
-                     f"experts alone {r['experts_only_ms']:.2f} ms, router alone {r['router_ms']:.2f} ms")
+    for r in results.get("layer_width", []):
+        lines.append(f"width {r['shape']:5s} H={r['hidden']:5d} {r['router']:36s} {r['layer_ms']:8.2f} ms  "
+                     f"x{r['ratio']:.2f} dense, {r['excess_ms']:+.2f} ms over it")
     for r in results.get("soft_moe_experts", []):
         lines.append(f"soft_moe E={r['experts']:4d} {r['ms']:9.2f} ms  x{r['ratio_to_E8']:.2f} of E=8")
     for r in results.get("sparsity_solver", []):

@@ -44,20 +44,31 @@ def test_bench_routers_times_every_router_forward_and_backward(monkeypatch):
     assert all(r["forward_ms"] == 2.0 and r["forward_backward_ms"] == 2.0 for r in rows)
 
 
-def test_bench_layer_breakdown_splits_the_excess_over_the_experts(monkeypatch):
-    """Per router: the layer, the experts alone and the router alone, from the same timings;
-    the router's share is its time over the layer's excess over the experts alone."""
-    from mini_moe.routers import ROUTERS
+def test_bench_layer_width_times_every_router_at_every_width(monkeypatch):
+    """Per width: the dense MLP, the experts alone and every router's layer (Token Choice at
+    k = 1), each module built with that width; ratio and excess come from those timings."""
+    from mini_moe.layer import MlpExperts
+    from mini_moe.model import DenseMlp, MoeLayer
+    from mini_moe.routers import ROUTERS, spec
 
-    # time_fn order: dense MLP, experts alone, then per router the layer and the router alone.
-    times = iter([4.0, 3.0] + [9.0, 2.0] * len(ROUTERS))
-    monkeypatch.setattr(bench, "time_fn", lambda fn, *args, repeats=20: next(times))
-    rows = bench.run(repeats=1, only="layer_breakdown")["layer_breakdown"]
-    assert sorted(r["router"] for r in rows) == sorted(ROUTERS)
+    timed = []
+
+    def fake_time(fn, module, *args, repeats=20):
+        experts = module.experts if isinstance(module, MoeLayer) else module
+        width = experts.fc1.kernel.shape[-1] if isinstance(experts, DenseMlp) else experts.w1.shape[-1]
+        timed.append((type(module).__name__, width))
+        return {DenseMlp: 4.0, MlpExperts: 3.0, MoeLayer: 9.0}[type(module)]
+
+    monkeypatch.setattr(bench, "time_fn", fake_time)
+    rows = bench.run(repeats=1, only="layer_width")["layer_width"]
+    expected = [(kind, h) for h in bench.LAYER_WIDTHS
+                for kind in ["DenseMlp", "MlpExperts"] + ["MoeLayer"] * len(ROUTERS)]
+    assert timed == expected
+    assert [(r["hidden"], r["router"]) for r in rows] == [(h, n) for h in bench.LAYER_WIDTHS for n in sorted(ROUTERS)]
     for r in rows:
-        assert (r["dense_ms"], r["experts_only_ms"], r["layer_ms"], r["router_ms"]) == (4.0, 3.0, 9.0, 2.0)
-        assert r["ratio"] == 2.25 and r["router_share"] == pytest.approx(2.0 / 6.0, abs=1e-3)
-    assert "router alone 2.00 ms" in bench.summary({"machine": bench.machine(), "layer_breakdown": rows})
+        assert (r["dense_ms"], r["experts_only_ms"], r["layer_ms"], r["ratio"], r["excess_ms"]) == (4.0, 3.0, 9.0, 2.25, 5.0)
+        assert r["options"] == ({"k": 1} if spec(r["router"]).allocation == "token" else {})
+    assert "+5.00 ms over it" in bench.summary({"machine": bench.machine(), "layer_width": rows})
 
 
 def test_bench_sparsity_solver_reports_ratio_error_and_gap_to_pot(monkeypatch):
