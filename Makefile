@@ -18,7 +18,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data data-apt data-tfds book test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows
+.PHONY: venv data data-apt data-tfds book test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist
 
 venv: $(STAMP)
 
@@ -52,7 +52,7 @@ data-tfds: venv
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --upgrade pip
-	$(PY) -m pip install -e '.[test,book]'
+	$(PY) -m pip install -e '.[test,book,dev]'
 	touch $(STAMP)
 
 # A stale _build/.doctrees can hide failing cells, so every build starts from scratch.
@@ -61,7 +61,7 @@ book: venv data
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "HTML: _build/html/index.html"
 
-test: check-notebooks lint-workflows unit nbval browser-check
+test: check-notebooks lint-workflows dist unit nbval browser-check
 
 # pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores).
 unit: venv data
@@ -125,6 +125,15 @@ sync: venv
 	$(PY) .ci/notebooks.py install
 	$(VENV)/bin/jupytext --sync $(CHAPTERS_MD)
 	$(PY) .ci/notebooks.py strip
+
+# The sdist and the wheel into dist/, as the release workflow builds them: python -m build must
+# print no warning (PYTHONDONTWRITEBYTECODE, set on some machines, only makes distutils say that it
+# skips byte-compiling), and twine must accept the metadata.
+dist: venv
+	rm -rf dist
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m build --outdir dist . > dist.log 2>&1 || { cat dist.log; exit 1; }
+	@if grep -i "warning" dist.log; then echo "python -m build printed the warnings above (full log: dist.log)" >&2; exit 1; fi
+	$(PY) -m twine check --strict dist/*
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis

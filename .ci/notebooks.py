@@ -69,6 +69,8 @@ def install_cell() -> str:
 {CELL_MARKER} from _config.yml (repository, ref) and pyproject.toml.
 # On Colab or another fresh runtime it installs mini_moe if it is missing; it never reinstalls
 # JAX, and it stops with the fix when the runtime's JAX, Flax, Optax or Orbax is older than mini_moe needs.
+# It ends by printing JAX's backend and devices, with a warning when an accelerator is attached
+# but JAX sees only the CPU.
 import re
 from importlib.metadata import PackageNotFoundError, version
 
@@ -96,7 +98,22 @@ try:
     import mini_moe
 except ImportError:
     %pip install -q "{{MINI_MOE}}"
-    import mini_moe"""
+    import mini_moe
+
+import glob
+import os
+import shutil
+
+import jax
+from IPython.display import Markdown, display
+
+print(f"mini_moe {{mini_moe.__version__}}, JAX {{jax.__version__}} on {{jax.default_backend()}}: {{jax.devices()}}")
+attached = ("GPU" if shutil.which("nvidia-smi") or glob.glob("/dev/nvidia[0-9]*") else
+            "TPU" if glob.glob("/dev/accel[0-9]*") or "TPU_ACCELERATOR_TYPE" in os.environ else None)
+if attached and jax.default_backend() == "cpu":
+    display(Markdown(f"**This runtime has a {{attached}}, but JAX sees only the CPU: everything below will run "
+                     f"on the CPU.** Install the JAX build for it (`%pip install -U 'jax[cuda12]'` for a GPU, "
+                     f"`%pip install -U 'jax[tpu]'` for a TPU), restart the runtime, and run this cell again."))"""
 
 
 def _install_code_cell(md_text: str):

@@ -15,6 +15,7 @@ import os
 import pathlib
 import sys
 
+import mini_moe
 from mini_moe import data as data_lib
 from mini_moe.routers import ROUTERS
 from mini_moe.validate import InputError
@@ -243,6 +244,7 @@ def main(argv=None) -> int:
         description="mini_moe: routers in Vision Mixture-of-Experts. Routers: " + ", ".join(ROUTER_CHOICES)
         + ". Datasets: " + ", ".join(data_lib.DATASETS) + ".",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {mini_moe.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_evaluate(sub)

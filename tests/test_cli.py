@@ -165,3 +165,11 @@ def test_cli_lets_a_bug_show_its_traceback(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "train", broken)
     with pytest.raises(ValueError, match="internal shape mismatch"):
         cli.main(["train", "--dataset", "digits", "--steps", "2", "--out", str(tmp_path / "x")])
+
+
+def test_version_prints_the_package_version(capsys):
+    import mini_moe
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"python -m mini_moe {mini_moe.__version__}"

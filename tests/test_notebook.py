@@ -53,3 +53,34 @@ def test_one_version_everywhere():
     config = yaml.safe_load((root / "_config.yml").read_text())
     assert config["parse"]["myst_substitutions"]["mini_moe_ref"] == f"v{mini_moe.__version__}"
     assert f"## {mini_moe.__version__} (" in (root / "CHANGELOG.md").read_text()
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_install_cell_warns_when_an_accelerator_is_attached_but_jax_sees_only_the_cpu(gpu, tmp_path, monkeypatch, capsys):
+    """The chapters' install cell (as .ci/notebooks.py writes it), run on this CPU-only machine:
+    it prints JAX's backend and devices, and with an nvidia-smi on PATH (a GPU runtime whose JAX
+    has no CUDA plugin) it shows the warning with the fix."""
+    import pathlib
+
+    root = pathlib.Path(__file__).parents[1]
+    sys.path.insert(0, str(root / ".ci"))
+    try:
+        import notebooks
+    finally:
+        sys.path.remove(str(root / ".ci"))
+    source = notebooks.install_cell().split("\n", 2)[2]  # without the ":tags:" line
+    # mini_moe is installed here, so the cell's one IPython magic (pip) never runs.
+    source = source.replace('%pip install -q "{MINI_MOE}"', "raise AssertionError('reinstalls mini_moe')")
+    if gpu:
+        fake = tmp_path / "nvidia-smi"
+        fake.write_text("#!/bin/sh\n")
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj.data))
+    exec(source, {})
+    assert "on cpu:" in capsys.readouterr().out
+    if gpu:
+        assert len(shown) == 1 and "has a GPU, but JAX sees only the CPU" in shown[0] and "jax[cuda12]" in shown[0]
+    else:
+        assert shown == []
