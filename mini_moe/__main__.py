@@ -23,6 +23,30 @@ from mini_moe.validate import InputError
 ROUTER_CHOICES = sorted(ROUTERS) + ["dense"]
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with the examples epilog printed line by line instead of re-wrapped."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _examples(*lines: str) -> dict:
+    """``add_parser`` keywords that end a command's --help with examples."""
+    return {"epilog": "examples:\n" + "\n".join(f"  {line}" for line in lines), "formatter_class": _HelpFormatter}
+
+
+def _report(result: dict, as_json: bool) -> None:
+    """Print a result: one JSON line with --json (for scripts), else a two-column table."""
+    if as_json:
+        print(json.dumps(result))
+        return
+    width = max(map(len, result), default=0)
+    for key, value in result.items():
+        print(f"{key:{width}s}  {value:.4f}" if isinstance(value, float) else f"{key:{width}s}  {value}")
+
+
 def _check_minutes(minutes: float | None) -> None:
     if minutes is not None and not minutes > 0:
         raise InputError(f"--minutes must be > 0 (minutes of training), got {minutes!r}.")
@@ -51,6 +75,9 @@ def _add_train(sub):
         "train", help="train a V-MoE (or the dense ViT) and write config, checkpoints and history",
         description="Train a V-MoE with any router. Routers: " + ", ".join(ROUTER_CHOICES)
         + ". Datasets: " + ", ".join(data_lib.DATASETS) + ".",
+        **_examples("python -m mini_moe train --router soft_moe --dataset fashion_mnist --minutes 5",
+                    "python -m mini_moe train --router softmax_token_choice --set 'model_router_kwargs={\"k\": 2}' --steps 500",
+                    "python -m mini_moe train --router dense --dataset digits --out runs/dense"),
     )
     p.add_argument("--router", default="soft_moe", choices=ROUTER_CHOICES, help="router name, or 'dense' for the ViT")
     p.add_argument("--dataset", default="fashion_mnist", choices=data_lib.DATASETS)
@@ -70,6 +97,7 @@ def _add_train(sub):
     p.add_argument("--mesh", default=None, type=_parse_mesh, metavar="DATAxEXPERT",
                    help="expert parallelism over DATA*EXPERT devices, e.g. 2x4 (on a CPU, simulate devices with "
                    "XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    p.add_argument("--json", action="store_true", help="print the final result as one JSON line")
     p.set_defaults(func=_train)
 
 
@@ -95,15 +123,21 @@ def _train(args):
         print(f"{args.minutes:g} minutes of training on this machine: a schedule of {cfg.steps} steps")
     history = train_lib.train(cfg, out, resume=not args.no_resume)
     final = history["eval"][-1] if history["eval"] else {}
-    print(json.dumps({"out": str(out), **final, "train_seconds": round(history["seconds"], 1)}))
+    _report({"out": str(out), **final, "train_seconds": round(history["seconds"], 1)}, args.json)
 
 
 def _add_evaluate(sub):
-    p = sub.add_parser("evaluate", help="evaluate a trained run: accuracy, 10-shot probe, router diagnostics, figures")
+    p = sub.add_parser("evaluate", help="evaluate a trained run: accuracy, 10-shot probe, router diagnostics, figures",
+                       description="Evaluate a folder written by 'train': test accuracy, the 10-shot linear probe, "
+                       "router diagnostics and routing stability (written to RUN/evaluation.json), and the expert "
+                       "maps (RUN/expert_maps.png).",
+                       **_examples("python -m mini_moe evaluate runs/fashion_mnist-soft_moe-s0",
+                                   "python -m mini_moe evaluate runs/dense --no-figures --json"))
     p.add_argument("run", help="a folder written by 'train'")
     p.add_argument("--shots", type=int, default=10, help="images per class for the linear probe")
     p.add_argument("--images", type=int, default=2000, help="test images used for router diagnostics")
     p.add_argument("--no-figures", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the accuracies as one JSON line")
     p.set_defaults(func=_evaluate)
 
 
@@ -127,14 +161,18 @@ def _evaluate(args):
         fig = ev.plot_expert_maps(test_ds.images[:8], maps, num_experts=cfg.model.routed_experts,
                                   labels=test_ds.labels[:8])
         fig.savefig(run / "expert_maps.png", dpi=120)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("routers", "stability")}))
-    print(f"wrote {run / 'evaluation.json'}")
+    _report({k: v for k, v in result.items() if k not in ("routers", "stability")}, args.json)
+    print(f"wrote {run / 'evaluation.json'}", file=sys.stderr if args.json else sys.stdout)
 
 
 def _add_bench(sub):
     from mini_moe.bench import PARTS
 
-    p = sub.add_parser("bench", help="time routers, MoE layer vs dense MLP, Soft MoE vs E, training throughput")
+    p = sub.add_parser("bench", help="time routers, MoE layer vs dense MLP, Soft MoE vs E, training throughput",
+                       description="Benchmarks, written to a JSON file with the machine and the command, and "
+                       "summarised on screen. Parts: " + ", ".join(PARTS) + ".",
+                       **_examples("python -m mini_moe bench --only layer --repeats 10 --out layer.json",
+                                   "taskset -c 0 python -m mini_moe bench --only dropless"))
     p.add_argument("--out", default="bench.json", help="JSON file to write")
     p.add_argument("--repeats", type=int, default=20, help="timed repetitions per measurement")
     p.add_argument("--only", default=None, choices=list(PARTS), help="run one part only")
@@ -158,6 +196,8 @@ def _add_study(sub):
         "seeds; results.json + figures", description="The router study of paper 000 at small scale, every "
         "router in the Every-2 placement. Routers: " + ", ".join(sorted(ROUTERS)) + ". Datasets: "
         + ", ".join(data_lib.DATASETS) + ". Resumable: run the same command again to continue.",
+        **_examples("python -m mini_moe study --dataset digits --seeds 0 1 --steps 400",
+                    "python -m mini_moe study --routers softmax_token_choice soft_moe --capacities 1 --minutes 5"),
     )
     p.add_argument("--dataset", default="fashion_mnist", choices=data_lib.DATASETS)
     p.add_argument("--config", default=None, choices=["quick", "full"], help="scale preset (default: by backend)")
@@ -212,7 +252,9 @@ def _add_subtasks(sub):
     from mini_moe import subtasks
 
     p = sub.add_parser("subtasks", help="the controlled experiment: tokens from K known sub-tasks, one MoE layer "
-                       "per router (resumable)", description=subtasks.__doc__.split("\n\n")[0])
+                       "per router (resumable)", description=subtasks.__doc__.split("\n\n")[0],
+                       **_examples("python -m mini_moe subtasks --routers dense softmax_expert_choice --seeds 0 1",
+                                   "python -m mini_moe subtasks --frequencies skewed --steps 20000 --patience 1000"))
     p.add_argument("--routers", nargs="+", default=list(subtasks.ROUTER_CHOICES), choices=subtasks.ROUTER_CHOICES,
                    metavar="ROUTER", help="routers, 'dense' and/or 'dense_wide' (default: all)")
     p.add_argument("--frequencies", nargs="+", default=list(subtasks.FREQUENCIES), choices=subtasks.FREQUENCIES)
@@ -238,11 +280,15 @@ def _subtasks(args):
     print(f"wrote {args.out}")
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: the commands train, evaluate, bench, study and subtasks."""
     parser = argparse.ArgumentParser(
         prog="python -m mini_moe",
         description="mini_moe: routers in Vision Mixture-of-Experts. Routers: " + ", ".join(ROUTER_CHOICES)
-        + ". Datasets: " + ", ".join(data_lib.DATASETS) + ".",
+        + ". Datasets: " + ", ".join(data_lib.DATASETS) + ". 'python -m mini_moe COMMAND --help' shows a "
+        "command's options and examples.",
+        **_examples("python -m mini_moe train --router soft_moe --dataset digits --steps 300",
+                    "python -m mini_moe evaluate runs/digits-soft_moe-s0"),
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {mini_moe.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -251,6 +297,11 @@ def main(argv=None) -> int:
     _add_bench(sub)
     _add_study(sub)
     _add_subtasks(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv

@@ -173,3 +173,19 @@ def test_version_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"python -m mini_moe {mini_moe.__version__}"
+
+
+def test_every_command_help_ends_with_examples_that_parse(capsys):
+    """Every command's --help shows examples, and the parser accepts each of them."""
+    import shlex
+
+    commands = ["train", "evaluate", "bench", "study", "subtasks"]
+    for command in [[]] + [[c] for c in commands]:
+        with pytest.raises(SystemExit):
+            cli.main(command + ["--help"])
+        text = capsys.readouterr().out
+        examples = [line.strip() for line in text.split("examples:\n", 1)[1].splitlines() if line.strip()]
+        assert examples, command
+        for example in examples:
+            argv = shlex.split(example.split("python -m mini_moe ", 1)[1])
+            assert cli.build_parser().parse_args(argv).command in commands

@@ -275,9 +275,14 @@ def test_cli_train_and_evaluate(tmp_path, capsys):
     for key, value in [("batch_size", 32), ("eval_every", 4), ("model_dim", 16), ("model_depth", 2),
                        ("model_heads", 2), ("model_mlp_dim", 16), ("model_group_images", 4)]:
         args += ["--set", f"{key}={value}"]
-    cli.main(args)
+    cli.main(args)  # a table by default
+    table = dict(line.split(None, 1) for line in capsys.readouterr().out.strip().splitlines()[-5:])
+    assert table["step"] == "4" and table["out"] == str(out)
+    cli.main(args + ["--json"])  # resumes the finished run, one JSON line
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 4
-    cli.main(["evaluate", str(out), "--images", "64"])
+    cli.main(["evaluate", str(out), "--images", "64", "--json"])
+    assert json.loads(capsys.readouterr().out)["test_accuracy"] == pytest.approx(
+        json.loads((out / "evaluation.json").read_text())["test_accuracy"])
     result = json.loads((out / "evaluation.json").read_text())
     assert {"test_accuracy", "10_shot_accuracy", "routers", "stability"} <= set(result)
     assert (out / "expert_maps.png").exists()
