@@ -18,7 +18,8 @@ pointed at nothing. The page is driven over the DevTools protocol on a pipe
 A page passes when MathJax typeset every math element (``span.math``/``div.math`` each holds an
 ``mjx-container``, no ``mjx-merror``, no web font failed), no raw TeX delimiter is left in its
 visible text outside code, no display equation is cut off where scrolling cannot reach it (in a
-1280 px and a 412 px wide window), and every ``<img>`` in the article has ``naturalWidth > 0``.
+1280 px and a 412 px wide window), no code cell input is wider than its box (long lines wrap,
+_static/mini_moe.css), and every ``<img>`` in the article has ``naturalWidth > 0``.
 Exit status 1 with a message saying what failed otherwise.
 """
 
@@ -127,6 +128,14 @@ JSON.stringify([...document.querySelectorAll('main .math mjx-container[display="
   const scrolls = c.scrollWidth > c.clientWidth + 1 && /auto|scroll/.test(getComputedStyle(c).overflowX);
   return m.left < box.left - 1 || (m.right > box.right + 1 && !scrolls);
 }).map(c => (c.querySelector('mjx-assistive-mml') || c).textContent.replace(/\s+/g, ' ').slice(0, 50)))
+"""
+
+# Code cell inputs whose text is wider than their box (cut at the column edge, or hidden behind a
+# horizontal scroll): the first line of each.
+WIDE_CODE_JS = r"""
+JSON.stringify([...document.querySelectorAll('main div.cell_input pre')]
+  .filter(p => p.scrollWidth > p.clientWidth + 1)
+  .map(p => p.textContent.split('\n').reduce((a, b) => (b.length > a.length ? b : a), '').slice(0, 60)))
 """
 
 # Waits until MathJax finished typesetting (if it loaded at all) and images and fonts are in.
@@ -296,10 +305,11 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
                            and e["params"]["requestId"] in failed_ids
                            and e["params"]["request"]["url"].startswith("file:")})
     m["external"], m["failed_files"] = external, failed_files
-    clipped = {}
+    clipped, wide_code = {}, {}
     for width in (browser.width, PHONE_WIDTH):
         browser.resize(width, browser.height)
         clipped[width] = json.loads(browser.evaluate(CLIPPED_JS))
+        wide_code[width] = json.loads(browser.evaluate(WIDE_CODE_JS))
     browser.resize(browser.width, browser.height)
     if shots:
         shots.mkdir(parents=True, exist_ok=True)
@@ -324,6 +334,10 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
         if eqs:
             problems.append(f"{len(eqs)} display equation(s) cut off in a {width} px wide window "
                             f"(no scrolling reaches the rest), e.g. {eqs[0]!r}")
+    for width, lines in wide_code.items():
+        if lines:
+            problems.append(f"{len(lines)} code cell(s) wider than the column in a {width} px wide window, "
+                            f"e.g. the line {lines[0]!r}")
     return m, [f"{page}: {p}" for p in problems]
 
 

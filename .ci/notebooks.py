@@ -11,6 +11,9 @@ generated from one place: the repository URL (``repository.url``) and the git re
 (``parse.myst_substitutions.mini_moe_ref``) in ``_config.yml``, and the JAX/Flax/Optax/Orbax floors
 in ``pyproject.toml``. And every ``{glue:text}`key``` in a chapter's prose must be glued by a
 ``glue("key", ...)`` call in one of its code cells (an f-string name counts as a pattern).
+Finally, the pages show only what teaches: the whole book may show at most
+:data:`MAX_VISIBLE_GLUE` lines that call ``glue(`` in code cells a reader sees (bookkeeping goes
+into cells tagged ``remove-input``, ``hide-input`` or ``remove-cell``).
 
     python .ci/notebooks.py check     # fail on drift, outputs, missing toc/config entries,
                                       # a stale install cell or a prose number nobody glues
@@ -167,6 +170,18 @@ def strip(nb) -> bool:
     return nbformat.writes(nb) != before
 
 
+#: The most lines calling glue( that the book may show in visible code cells, all chapters together.
+MAX_VISIBLE_GLUE = 20
+HIDDEN_TAGS = {"remove-input", "hide-input", "remove-cell"}
+
+
+def visible_glue_lines(nb) -> list[str]:
+    """The lines calling ``glue(`` in the code cells of ``nb`` whose input a reader sees."""
+    return [line.strip() for cell in nb.cells if cell.cell_type == "code"
+            and not HIDDEN_TAGS & set(cell.metadata.get("tags", []))
+            for line in cell.source.splitlines() if "glue(" in line]
+
+
 def _cells(nb):
     return [(c.cell_type, c.source.strip()) for c in nb.cells]
 
@@ -177,6 +192,7 @@ def check() -> list[str]:
     excluded = set(config.get("exclude_patterns", []))
     toc_text = (ROOT / "_toc.yml").read_text()
     cell = install_cell()
+    visible = {}
     for md in chapters():
         rel_md = md.relative_to(ROOT).as_posix()
         ipynb = md.with_suffix(".ipynb")
@@ -199,11 +215,16 @@ def check() -> list[str]:
                             "run `make sync`")
         for key in unglued(md_text):
             problems.append(f"{rel_md}: the prose uses {{glue:text}}`{key}` but no cell calls glue(\"{key}\", ...)")
+        visible[rel_md] = len(visible_glue_lines(text_nb))
         nb = nbformat.read(ipynb, as_version=4)
         if _cells(nb) != _cells(text_nb):
             problems.append(f"{rel_nb} and {rel_md} have drifted apart: run `make sync`")
         if strip(copy.deepcopy(nb)):
             problems.append(f"{rel_nb} has outputs or execution counts: run `make sync`")
+    if sum(visible.values()) > MAX_VISIBLE_GLUE:
+        worst = ", ".join(f"{name} {n}" for name, n in sorted(visible.items(), key=lambda kv: -kv[1])[:3])
+        problems.append(f"the chapters show {sum(visible.values())} lines calling glue( in visible code cells, more "
+                        f"than {MAX_VISIBLE_GLUE} (most: {worst}): move the bookkeeping into a cell tagged remove-input")
     return problems
 
 

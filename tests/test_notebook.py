@@ -84,3 +84,22 @@ def test_install_cell_warns_when_an_accelerator_is_attached_but_jax_sees_only_th
         assert len(shown) == 1 and "has a GPU, but JAX sees only the CPU" in shown[0] and "jax[cuda12]" in shown[0]
     else:
         assert shown == []
+
+
+def test_visible_glue_lines_count_only_cells_a_reader_sees():
+    import pathlib
+
+    import nbformat
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / ".ci"))
+    try:
+        import notebooks
+    finally:
+        sys.path.pop(0)
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell('x = 1\nglue("a", x)\nglue("b", 2)'),
+        nbformat.v4.new_code_cell('glue("c", 3)', metadata={"tags": ["remove-input"]}),
+        nbformat.v4.new_code_cell('glue("d", 4)', metadata={"tags": ["hide-input"]}),
+        nbformat.v4.new_markdown_cell('{glue:text}`a` and glue("e", 5)'),
+    ])
+    assert notebooks.visible_glue_lines(nb) == ['glue("a", x)', 'glue("b", 2)']
