@@ -77,8 +77,9 @@ def switch_loss(probs: Array, *, k: int = 1, scope: str = "group", axis_name: st
     before any capacity limit; divided by k so that ``sum_i f_i = 1``) and ``P_i`` the mean
     routing probability of expert i. ``f`` is piecewise constant, so the gradient flows through
     ``P`` only: ``dL/dP_i = E f_i`` lowers the probability of the experts that receive most
-    tokens. The value is 1 when picks and probabilities are uniform and E when every token
-    picks one expert with certainty.
+    tokens. The value is 1 when picks and probabilities are uniform, and E when every token
+    picks the same expert with certainty; when ``P = f`` it is ``E sum_i f_i^2 >= 1`` (equal
+    shares give 1), otherwise it can be below 1.
 
     Args:
       probs: routing probabilities ``[..., T, E]`` (rows sum to 1; the ones used to route).
