@@ -55,11 +55,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test,book,dev]'
 	touch $(STAMP)
 
-# A stale _build/.doctrees can hide failing cells, so every build starts from scratch.
+# A stale _build/.doctrees can hide failing cells, so every build starts from scratch. Then the
+# Colab notebooks (.ci/colab.py): the executed chapters with glue and cite roles rendered, which
+# book.yml publishes on the colab branch that the Colab button opens.
 book: venv data
 	rm -rf _build
 	$(VENV)/bin/jupyter-book build . -W -n --keep-going
 	@echo "HTML: _build/html/index.html"
+	$(PY) .ci/colab.py --out _build/colab/book _build/jupyter_execute/book/[0-9][0-9]_*.ipynb
 
 test: check-notebooks lint-workflows dist unit nbval browser-check
 

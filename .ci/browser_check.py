@@ -39,6 +39,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import colab  # .ci/colab.py (this folder is on sys.path when the script runs)
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = "book/01_unified_formulation"
 PHONE_WIDTH = 412  # a second window width for the cut-off-equation check
@@ -403,6 +405,11 @@ def main(argv=None) -> int:
         html = build_slice(workdir)
         pages = args.pages or [f"{CHAPTER}.html", "book/zz_browser_probe.html", "book/intro.html"]
         chapters = [f"{CHAPTER}.html"]
+        # The Colab notebook of the executed chapter (.ci/colab.py, as `make book` writes them all):
+        # its glue and cite roles must render from what this build recorded.
+        executed = workdir / "_build" / "jupyter_execute" / f"{CHAPTER}.ipynb"
+        if colab.main(["--out", str(workdir / "colab"), str(executed)]):
+            sys.exit(f"browser check FAILED: the Colab notebook of {executed.name} did not render")
 
     problems: list[str] = []
     browser = Browser(chromium)
