@@ -171,3 +171,22 @@ def test_bias_update_runs_under_jit_and_grad():
     assert np.abs(np.asarray(router.affinity.bias[...])).max() > 0
     assert float(jnp.abs(grads.affinity.dense.kernel[...]).sum()) > 0  # k = 2: the gates carry a gradient
     assert not any("bias" in map(str, path) for path, _ in nnx.to_flat_state(nnx.state(grads)))
+
+
+def test_at_k1_the_normalised_gate_is_one_and_sends_the_router_no_gradient():
+    """With k = 1 the gate, normalised over the one chosen expert, is exactly 1 whatever the
+    scores: a layer's output does not depend on the router's weights except through the choice,
+    so the task gives them a zero gradient (chapter 12 measures what that costs); at k = 2 it
+    does not vanish."""
+    grads = {}
+    for k in (1, 2):
+        router = mm.make_router("sigmoid_loss_free", D, E, k=k, capacity_factor=float(k), deterministic=True,
+                                rngs=nnx.Rngs(0))
+        out = router(jnp.asarray(_x()))
+        if k == 1:
+            combine = np.asarray(out.routing.combine).sum((-2, -1))  # per token: its one gate, or 0 if dropped
+            assert set(np.round(np.unique(combine), 6)) <= {0.0, 1.0}
+        grads[k] = nnx.grad(lambda r: jnp.sum(jnp.sin(r(jnp.asarray(_x())).routing.combine)))(router)
+    g1, g2 = (float(jnp.abs(grads[k].affinity.dense.kernel[...]).max()) for k in (1, 2))
+    # s / s is 1 analytically; in float32 its derivative is round-off (eps 1.2e-7 relative)
+    assert g2 > 1e-3 and g1 < 1e-5 * g2, (g1, g2)

@@ -49,6 +49,10 @@ ARMS = {
     "tc_switch_batch": (TC, {}, SWITCH | {"balance_scope": "batch"}),
     "loss_free": ("sigmoid_loss_free", {}, {"k": 1, "capacity_factor": 1.0, "bias_rate": 1e-3}),
     "sigmoid_no_bias": ("sigmoid_loss_free", {}, {"k": 1, "capacity_factor": 1.0, "bias_rate": 0.0}),
+    # at k = 1 the sigmoid router's gate, normalised over the one chosen expert, is exactly 1, so
+    # the task loss sends its weights no gradient; at k = 2 (c = 2) it does: both routers again
+    "tc_switch_k2": (TC, {}, SWITCH | {"k": 2, "capacity_factor": 2.0}),
+    "loss_free_k2": ("sigmoid_loss_free", {}, {"k": 2, "capacity_factor": 2.0, "bias_rate": 1e-3}),
     # chapter 13: equal activated FLOPs with finer experts (m = 4: 32 experts of 16 hidden units,
     # k = 4) and with one of them shared (k = 3 routed); capacity and dropless
     "fine": (TC, {"model_fine_grained": 4}, SWITCH),
