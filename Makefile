@@ -18,7 +18,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data data-apt data-tfds book test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist
+.PHONY: venv data data-apt data-tfds book test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
 
 venv: $(STAMP)
 
@@ -128,6 +128,11 @@ sync: venv
 	$(PY) .ci/notebooks.py install
 	$(VENV)/bin/jupytext --sync $(CHAPTERS_MD)
 	$(PY) .ci/notebooks.py strip
+
+# Colab's GPU runtime emulated: its package versions in a fresh .venv-colab, the install cell's pip
+# install of mini_moe (nothing of Colab's may change), chapters 1, 2 and 7 under nbval there.
+colab-stack: data
+	PYTHON=$(PYTHON) bash .ci/colab_stack.sh
 
 # The sdist and the wheel into dist/, as the release workflow builds them: python -m build must
 # print no warning (PYTHONDONTWRITEBYTECODE, set on some machines, only makes distutils say that it

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+# A list of sub-modules: nnx.List on flax >= 0.12; flax 0.11 (Colab's runtime) takes a plain list.
+_ModuleList = getattr(nnx, "List", list)
+
 from mini_moe import parallel
 from mini_moe import routers as routers_lib
 from mini_moe.layer import PATHS, MlpExperts, moe, moe_sorted
@@ -301,7 +304,7 @@ class VisionMoE(nnx.Module):
         self.embed = nnx.Linear(patch_dim, cfg.dim, dtype=jnp.dtype(cfg.dtype), rngs=rngs)
         self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (1, cfg.num_patches, cfg.dim)))
         moe_blocks = cfg.moe_blocks()
-        self.blocks = nnx.List([Block(cfg, i in moe_blocks, rngs=rngs) for i in range(cfg.depth)])
+        self.blocks = _ModuleList([Block(cfg, i in moe_blocks, rngs=rngs) for i in range(cfg.depth)])
         self.norm = nnx.LayerNorm(cfg.dim, rngs=rngs)
         self.head = nnx.Linear(cfg.dim, cfg.num_classes, kernel_init=nnx.initializers.zeros, rngs=rngs)
 

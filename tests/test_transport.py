@@ -671,7 +671,9 @@ def test_sparsity_constrained_plan_reaches_pot_optimum(seed, factor):
     _, long_run = _sparse(scores, max_nonzeros=cap, tol=1e-9, max_iters=3000, patience=3000)
     reference = min(pot["best"], float(long_run.objective))
     plan, info = _sparse(scores, max_nonzeros=cap)
-    assert float(info.objective) >= reference - 1e-5 * abs(reference)  # the long run is no worse (float32)
+    # The router's F is not far below the reference either: both approximate the same optimum (its
+    # steps are not monotone, so a short run may end a little lower; 1.6e-5 relative seen on JAX 0.7).
+    assert float(info.objective) >= reference - 1e-4 * abs(reference)
     assert float(info.objective) <= reference + 1e-3 * abs(reference)
     assert float(info.mean_marginal_error) < 0.07
     np.testing.assert_allclose(np.asarray(plan).sum(0), num_tokens / num_experts, atol=1e-4)
