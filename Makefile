@@ -67,8 +67,10 @@ book: venv data
 test: check-notebooks lint-workflows dist unit nbval browser-check
 
 # pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores).
+# UNIT_ENV: environment for the unit tests, e.g. UNIT_ENV="XLA_FLAGS=--xla_cpu_max_isa=AVX2" (.ci/run).
+UNIT_ENV ?=
 unit: venv data
-	$(PY) -m pytest -n auto tests
+	$(UNIT_ENV) $(PY) -m pytest -n auto tests
 
 # The declared floors, tested: a fresh second venv in which ONE pip call installs the package with
 # its test and tfds extras under constraints that pin every runtime dependency and the tfds extra
