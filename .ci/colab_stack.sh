@@ -4,7 +4,9 @@
 # then what a chapter's install cell does on Colab (mini_moe is missing, so it pip-installs
 # mini_moe, here from this checkout instead of the release tag), a check that this left JAX,
 # Flax, Optax and Orbax at Colab's versions (no reinstall, no restart), and chapters 1, 2 and 7
-# under nbval in that environment. `make colab-stack` runs it; COLAB_VENV names the venv.
+# under nbval in that environment. `make colab-stack` runs it; COLAB_VENV names the venv. While
+# pyproject.toml declares jax >= 0.8.1 / flax >= 0.12.1 the install upgrades them and the check
+# below fails, as it should: Colab readers would have to reinstall JAX (CHANGELOG, Unreleased).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
