@@ -3,16 +3,13 @@ blocks rendered, so that Colab, which shows MyST roles as raw text, reads like t
 
 import pathlib
 import re
-import sys
 
+import ci_scripts
 import nbformat
 import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / ".ci"))
-import colab  # noqa: E402
-
-sys.path.remove(str(ROOT / ".ci"))
+colab = ci_scripts.load("colab")
 
 
 def _glue_output(name, text):

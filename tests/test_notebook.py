@@ -60,15 +60,9 @@ def test_install_cell_warns_when_an_accelerator_is_attached_but_jax_sees_only_th
     """The chapters' install cell (as .ci/notebooks.py writes it), run on this CPU-only machine:
     it prints JAX's backend and devices, and with an nvidia-smi on PATH (a GPU runtime whose JAX
     has no CUDA plugin) it shows the warning with the fix."""
-    import pathlib
+    import ci_scripts
 
-    root = pathlib.Path(__file__).parents[1]
-    sys.path.insert(0, str(root / ".ci"))
-    try:
-        import notebooks
-    finally:
-        sys.path.remove(str(root / ".ci"))
-    source = notebooks.install_cell().split("\n", 2)[2]  # without the ":tags:" line
+    source = ci_scripts.load("notebooks").install_cell().split("\n", 2)[2]  # without the ":tags:" line
     # mini_moe is installed here, so the cell's one IPython magic (pip) never runs.
     source = source.replace('%pip install -q "{MINI_MOE}"', "raise AssertionError('reinstalls mini_moe')")
     if gpu:
@@ -87,15 +81,10 @@ def test_install_cell_warns_when_an_accelerator_is_attached_but_jax_sees_only_th
 
 
 def test_visible_glue_lines_count_only_cells_a_reader_sees():
-    import pathlib
-
+    import ci_scripts
     import nbformat
 
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / ".ci"))
-    try:
-        import notebooks
-    finally:
-        sys.path.pop(0)
+    notebooks = ci_scripts.load("notebooks")
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell('x = 1\nglue("a", x)\nglue("b", 2)'),
         nbformat.v4.new_code_cell('glue("c", 3)', metadata={"tags": ["remove-input"]}),
