@@ -7,6 +7,9 @@
 #   taskset -c 1 bash mini_moe/results/subtasks_converged.sh
 # Every run trains with the same code: a detached worktree (runs/subtasks-source) at SOURCE, by
 # default the commit before the one that first committed the results file (HEAD when none).
+# SEEDS (default 0-7) and MACHINE choose a share of the plan and its file, so that a second core
+# can run other seeds into its own file at the same time, with the same code:
+#   MACHINE=cpu-2core-xeon SOURCE=c5ef9f1 SEEDS="7 6 5 4" taskset -c 0 bash mini_moe/results/subtasks_converged.sh
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 MACHINE=${MACHINE:-cpu-2core-epyc}
@@ -22,7 +25,7 @@ if [ -z "${SOURCE:-}" ]; then
 fi
 pin_source runs/subtasks-source "$SOURCE"
 
-for seed in 0 1 2 3 4 5 6 7; do
+for seed in ${SEEDS:-0 1 2 3 4 5 6 7}; do
   for freq in uniform skewed; do
     for router in $ROUTERS; do
       $RUN -m mini_moe subtasks --routers "$router" --frequencies "$freq" --seeds "$seed" --steps 20000 \
