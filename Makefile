@@ -131,10 +131,11 @@ sync: venv
 	$(VENV)/bin/jupytext --sync $(CHAPTERS_MD)
 	$(PY) .ci/notebooks.py strip
 
-# Colab's GPU runtime emulated: its package versions in a fresh .venv-colab, the install cell's pip
-# install of mini_moe (nothing of Colab's may change), chapters 1, 2 and 7 under nbval there.
-colab-stack: data
-	PYTHON=$(PYTHON) bash .ci/colab_stack.sh
+# Colab's GPU runtime emulated (.ci/colab_stack.py): its package versions in a fresh .venv-colab;
+# the install cell's upgrade on a GPU and a TPU as pip dry runs (JAX's accelerator build at one
+# version), then for real on this CPU; chapters 1, 2 and 7 under nbval there.
+colab-stack: venv data
+	PYTHON=$(PYTHON) $(PY) .ci/colab_stack.py
 
 # The sdist and the wheel into dist/, as the release workflow builds them: python -m build must
 # print no warning (PYTHONDONTWRITEBYTECODE, set on some machines, only makes distutils say that it

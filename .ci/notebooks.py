@@ -61,62 +61,80 @@ def floors() -> dict[str, str]:
     return {name: pins[name] for name in FLOOR_PACKAGES}
 
 
-def install_cell() -> str:
-    """The source of every chapter's first code cell."""
+# A chapter that loads one of these datasets live installs mini_moe with its tfds extra: where the
+# files are not on disk (Colab has no Debian package), tensorflow-datasets provides them, and
+# tfds 4.9 imports importlib_resources when it prepares a dataset without declaring it.
+TFDS_LOAD = re.compile(r"""data\.load\(\s*["'](fashion_mnist|cifar10|cifar100)["']""")
+
+
+def install_cell(md_text: str = "") -> str:
+    """The source of the first code cell of a chapter whose text is ``md_text``."""
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     url = config["repository"]["url"].rstrip("/")
     ref = config["parse"]["myst_substitutions"]["mini_moe_ref"]
+    extra = "[tfds]" if TFDS_LOAD.search(md_text) else ""
     floor_items = ", ".join(f'"{name}": "{version}"' for name, version in floors().items())
     return f""":tags: [hide-input]
 
 {CELL_MARKER} from _config.yml (repository, ref) and pyproject.toml.
-# On Colab or another fresh runtime it installs mini_moe if it is missing; it never reinstalls
-# JAX, and it stops with the fix when the runtime's JAX, Flax, Optax or Orbax is older than mini_moe needs.
-# It ends by printing JAX's backend and devices, with a warning when an accelerator is attached
-# but JAX sees only the CPU.
+# On Colab or another fresh runtime it installs what is missing. Where the runtime's JAX, Flax,
+# Optax or Orbax is older than mini_moe needs (Colab's JAX and Flax are), it upgrades those, JAX as
+# the build for the accelerator attached (jax[cuda12] on a GPU, jax[tpu] on a TPU) so that its CUDA
+# plugin or libtpu matches; if the old version was already imported, it restarts the runtime once
+# (run the cell again). It ends by printing JAX's backend and devices, with a warning when an
+# accelerator is attached but JAX sees only the CPU.
+import glob
+import os
 import re
+import shutil
+import sys
 from importlib.metadata import PackageNotFoundError, version
 
-MINI_MOE = "mini_moe @ git+{url}@{ref}"
+from IPython.display import Markdown, display
+
+MINI_MOE = "mini_moe{extra} @ git+{url}@{ref}"
 FLOORS = {{{floor_items}}}
+MODULES = {{"jax": "jax", "flax": "flax", "optax": "optax", "orbax-checkpoint": "orbax.checkpoint"}}
+attached = ("GPU" if shutil.which("nvidia-smi") or glob.glob("/dev/nvidia[0-9]*") else
+            "TPU" if glob.glob("/dev/accel[0-9]*") or "TPU_ACCELERATOR_TYPE" in os.environ else None)
+JAX_BUILD = {{"GPU": "jax[cuda12]", "TPU": "jax[tpu]", None: "jax"}}[attached]
 
 
 def _release(text):
-    return tuple(int(part) for part in re.findall(r"\\d+", text)[:3])
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
 
 
-too_old = []
-for package, floor in FLOORS.items():
+def _installed(package):
     try:
-        installed = version(package)
+        return version(package)
     except PackageNotFoundError:
-        continue  # pip installs it together with mini_moe below
-    if _release(installed) < _release(floor):
-        too_old.append(f"{{package}} {{installed}} (mini_moe needs >= {{floor}})")
+        return None  # pip installs it together with mini_moe below
+
+
+too_old = [p for p in FLOORS if _installed(p) and _release(_installed(p)) < _release(FLOORS[p])]
 if too_old:
-    upgrade = " ".join(f'"{{package}}>={{floor}}"' for package, floor in FLOORS.items())
-    raise RuntimeError(f"This runtime has {{', '.join(too_old)}}. Run `%pip install -U {{upgrade}}` in a "
-                       "cell, restart the runtime (Colab: Runtime > Restart session), then run this cell again.")
+    upgrade = " ".join(f'"{{JAX_BUILD if p == "jax" else p}}>={{FLOORS[p]}}"' for p in too_old)
+    print("upgrading", ", ".join(f"{{p}} {{_installed(p)}}" for p in too_old), "for mini_moe:", upgrade)
+    %pip install -q -U {{upgrade}}
+    stale = [p for p in too_old if MODULES[p] in sys.modules]
+    if stale:  # this Python still holds the old version: only a fresh one imports the new
+        display(Markdown(f"**{{', '.join(stale)}} upgraded, but this session had imported the old version: "
+                         "the runtime restarts now. Run this cell again, then the rest.**"))
+        get_ipython().kernel.do_shutdown(True)  # Jupyter and Colab: restart the kernel
+        raise RuntimeError("Restarting the runtime after upgrading " + ", ".join(stale) + ": run this cell again.")
 try:
     import mini_moe
 except ImportError:
     %pip install -q "{{MINI_MOE}}"
     import mini_moe
 
-import glob
-import os
-import shutil
-
 import jax
-from IPython.display import Markdown, display
 
 print(f"mini_moe {{mini_moe.__version__}}, JAX {{jax.__version__}} on {{jax.default_backend()}}: {{jax.devices()}}")
-attached = ("GPU" if shutil.which("nvidia-smi") or glob.glob("/dev/nvidia[0-9]*") else
-            "TPU" if glob.glob("/dev/accel[0-9]*") or "TPU_ACCELERATOR_TYPE" in os.environ else None)
 if attached and jax.default_backend() == "cpu":
     display(Markdown(f"**This runtime has a {{attached}}, but JAX sees only the CPU: everything below will run "
-                     f"on the CPU.** Install the JAX build for it (`%pip install -U 'jax[cuda12]'` for a GPU, "
-                     f"`%pip install -U 'jax[tpu]'` for a TPU), restart the runtime, and run this cell again."))"""
+                     f"on the CPU.** Install the JAX build for it (`%pip install -U '{{JAX_BUILD}}'`), restart the "
+                     "runtime, and run this cell again."))"""
 
 
 def _install_code_cell(md_text: str):
@@ -133,9 +151,10 @@ def _install_code_cell(md_text: str):
 
 def write_install_cells() -> list[Path]:
     """Replace every chapter's install cell by install_cell(); the changed files."""
-    cell, changed = install_cell(), []
+    changed = []
     for md in chapters():
         text = md.read_text()
+        cell = install_cell(text)
         match = _install_code_cell(text)
         if match is None:
             raise SystemExit(f"{md.relative_to(ROOT)}: no install cell among its first two code cells")
@@ -191,7 +210,6 @@ def check() -> list[str]:
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     excluded = set(config.get("exclude_patterns", []))
     toc_text = (ROOT / "_toc.yml").read_text()
-    cell = install_cell()
     visible = {}
     for md in chapters():
         rel_md = md.relative_to(ROOT).as_posix()
@@ -210,7 +228,7 @@ def check() -> list[str]:
             problems.append(f"{rel_nb} is not in _toc.yml")
         md_text = md.read_text()
         first = _install_code_cell(md_text)
-        if first is None or first.group(1).rstrip("\n") != cell:
+        if first is None or first.group(1).rstrip("\n") != install_cell(md_text):
             problems.append(f"{rel_md}: its install cell (first or second code cell) is not the generated one: "
                             "run `make sync`")
         for key in unglued(md_text):

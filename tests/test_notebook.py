@@ -1,5 +1,7 @@
 """mini_moe.notebook: the values chapters glue into their prose."""
 
+import os
+import re
 import sys
 
 import jax.numpy as jnp
@@ -55,29 +57,72 @@ def test_one_version_everywhere():
     assert f"## {mini_moe.__version__} (" in (root / "CHANGELOG.md").read_text()
 
 
-@pytest.mark.parametrize("gpu", [True, False])
-def test_install_cell_warns_when_an_accelerator_is_attached_but_jax_sees_only_the_cpu(gpu, tmp_path, monkeypatch, capsys):
-    """The chapters' install cell (as .ci/notebooks.py writes it), run on this CPU-only machine:
-    it prints JAX's backend and devices, and with an nvidia-smi on PATH (a GPU runtime whose JAX
-    has no CUDA plugin) it shows the warning with the fix."""
+def _install_cell(pip_calls: list) -> str:
+    """The chapters' install cell (as .ci/notebooks.py writes it) as plain Python: each ``%pip``
+    line records its (expanded) arguments in ``pip_calls`` instead of running pip."""
     import ci_scripts
 
     source = ci_scripts.load("notebooks").install_cell().split("\n", 2)[2]  # without the ":tags:" line
-    # mini_moe is installed here, so the cell's one IPython magic (pip) never runs.
-    source = source.replace('%pip install -q "{MINI_MOE}"', "raise AssertionError('reinstalls mini_moe')")
+    source = re.sub(r"^( *)%pip (.*)$", r"\1_pip(f'''\2''')", source, flags=re.M)
+    assert "\n%" not in source and " %pip" not in source
+    return "_pip = __pip_calls.append\n" + source
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_install_cell_warns_when_an_accelerator_is_attached_but_jax_sees_only_the_cpu(gpu, tmp_path, monkeypatch, capsys):
+    """The install cell, run on this CPU-only machine where everything is installed and new enough:
+    it runs no pip, prints JAX's backend and devices, and with an nvidia-smi on PATH (a GPU runtime
+    whose JAX has no CUDA plugin) it shows the warning with the fix."""
     if gpu:
-        fake = tmp_path / "nvidia-smi"
-        fake.write_text("#!/bin/sh\n")
-        fake.chmod(0o755)
-        monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
-    shown = []
+        _fake_nvidia_smi(tmp_path, monkeypatch)
+    shown, pip_calls = [], []
     monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj.data))
-    exec(source, {})
+    exec(_install_cell(pip_calls), {"__pip_calls": pip_calls})
+    assert pip_calls == []
     assert "on cpu:" in capsys.readouterr().out
     if gpu:
         assert len(shown) == 1 and "has a GPU, but JAX sees only the CPU" in shown[0] and "jax[cuda12]" in shown[0]
     else:
         assert shown == []
+
+
+@pytest.mark.parametrize("accelerator, build", [("GPU", "jax[cuda12]"), ("TPU", "jax[tpu]"), (None, "jax")])
+def test_install_cell_upgrades_an_old_jax_as_the_build_for_the_accelerator_and_restarts(
+        accelerator, build, tmp_path, monkeypatch):
+    """Colab's runtime (jax 0.7.2, flax 0.11.2, optax 0.2.8, orbax-checkpoint 0.12.0): the cell
+    upgrades exactly the packages below the floors, JAX as the accelerator's build (so that pip
+    installs the CUDA plugin or libtpu of the same version), and since this Python has already
+    imported JAX it restarts the kernel and stops with the instruction to run the cell again."""
+    import importlib.metadata
+
+    from ci_scripts import load
+
+    floors = load("notebooks").floors()
+    colab = {"jax": "0.7.2", "flax": "0.11.2", "optax": "0.2.8", "orbax-checkpoint": "0.12.0"}
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: colab.get(name) or real_version(name))
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    if accelerator == "GPU":
+        _fake_nvidia_smi(tmp_path, monkeypatch)
+    elif accelerator == "TPU":
+        monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+    restarts, shown, pip_calls = [], [], []
+    kernel = type("Kernel", (), {"do_shutdown": lambda self, restart: restarts.append(restart)})()
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj.data))
+    with pytest.raises(RuntimeError, match="run this cell again"):
+        exec(_install_cell(pip_calls), {"__pip_calls": pip_calls,
+                                        "get_ipython": lambda: type("Shell", (), {"kernel": kernel})()})
+    old = [p for p in floors if tuple(map(int, colab[p].split("."))) < tuple(map(int, floors[p].split(".")))]
+    assert old == ["jax", "flax"]  # what Colab needs upgraded under today's floors
+    assert pip_calls == [f'install -q -U "{build}>={floors["jax"]}" "flax>={floors["flax"]}"']
+    assert restarts == [True] and "restarts now" in shown[0]
 
 
 def test_visible_glue_lines_count_only_cells_a_reader_sees():
