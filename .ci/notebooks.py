@@ -101,7 +101,7 @@ JAX_BUILD = {{"GPU": "jax[cuda12]", "TPU": "jax[tpu]", None: "jax"}}[attached]
 
 
 def _release(text):
-    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+    return tuple(int(part) for part in re.findall(r"\\d+", text)[:3])
 
 
 def _installed(package):
