@@ -376,17 +376,23 @@ def pairwise(results: dict, *, capacity: float = 1.0, metric: str = "fvu") -> li
 
 def plot_curves(results: dict, *, frequencies: str, capacity: float = 1.0,
                 metrics=("fvu", "routing_accuracy", "unprocessed")):
-    """Learning curves, mean over seeds: one panel per metric, one line per router."""
+    """Learning curves, mean over seeds: one panel per metric, one line per router. A run that
+    stopped early (the stopping rule of :class:`SubtaskConfig`) keeps its last values up to the
+    longest run of the plot, so that every mean is over all seeds."""
     import matplotlib.pyplot as plt
 
+    chosen = [r for r in results["runs"] if r["config"]["frequencies"] == frequencies
+              and (r["config"]["capacity"] == capacity or r["config"]["router"].startswith("dense"))]
+    steps = sorted({point["step"] for r in chosen for point in r["curve"]})
     curves: dict[str, dict[str, dict[int, list[float]]]] = {}
-    for r in results["runs"]:
-        c = r["config"]
-        if c["frequencies"] == frequencies and (c["capacity"] == capacity or c["router"].startswith("dense")):
-            for point in r["curve"]:
-                for m in metrics:
-                    if m in point:
-                        curves.setdefault(m, {}).setdefault(c["router"], {}).setdefault(point["step"], []).append(point[m])
+    for r in chosen:
+        points = {point["step"]: point for point in r["curve"]}
+        last = None
+        for step in steps:
+            last = points.get(step, last)
+            for m in metrics:
+                if last is not None and m in last:
+                    curves.setdefault(m, {}).setdefault(r["config"]["router"], {}).setdefault(step, []).append(last[m])
     titles = {"fvu": "fraction of variance unexplained", "routing_accuracy": "tokens at their sub-task's expert",
               "unprocessed": "tokens no expert processes", "processed_cv": "load CV (processed)"}
     fig, axes = plt.subplots(1, len(metrics), figsize=(4.3 * len(metrics), 3.6), squeeze=False)

@@ -352,3 +352,21 @@ def test_subtask_stopping_rule():
     assert not any(subtasks._converged(best[:i], 200, 0.5) for i in range(1, len(best)))  # ... not earlier
     with pytest.raises(ValueError, match="patience"):
         subtasks.SubtaskConfig(patience=150)  # not a multiple of eval_every=100
+
+
+def test_subtask_curves_hold_a_stopped_run_at_its_last_values():
+    """Runs stopped by the rule end at different steps; the plotted mean over seeds keeps each
+    stopped run at its final value, so every point averages all seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+
+    def run(seed, fvus):
+        config = {"router": "softmax_expert_choice", "capacity": 1.0, "frequencies": "uniform", "seed": seed}
+        return {"config": config, "curve": [{"step": 100 * (i + 1), "fvu": v} for i, v in enumerate(fvus)]}
+
+    results = {"runs": [run(0, [0.8, 0.4]), run(1, [0.6, 0.3, 0.2, 0.1])]}
+    fig = subtasks.plot_curves(results, frequencies="uniform", metrics=("fvu",))
+    (line,) = fig.axes[0].get_lines()
+    np.testing.assert_allclose(line.get_xdata(), [100, 200, 300, 400])
+    np.testing.assert_allclose(line.get_ydata(), [0.7, 0.35, 0.3, 0.25])  # seed 0 holds 0.4 after step 200
