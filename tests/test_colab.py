@@ -72,3 +72,28 @@ def test_the_script_writes_every_chapter(tmp_path):
     nbformat.write(nb, tmp_path / "02_b.ipynb")
     with pytest.raises(KeyError, match="missing"):
         colab.main(["--out", str(tmp_path / "colab"), str(tmp_path / "02_b.ipynb")])
+
+
+# ------------------------------------------------ .ci/colab_stack.py (Colab's runtime emulated)
+
+
+def test_the_colab_emulation_refuses_an_upgrade_that_leaves_the_accelerator_build_behind():
+    stack = ci_scripts.load("colab_stack")
+    floor = stack.floors()["jax"]
+    good = {"jax": "0.10.2", "jaxlib": "0.10.2", "jax-cuda12-plugin": "0.10.2", "jax-cuda12-pjrt": "0.10.2"}
+    stack.check_accelerator_upgrade("GPU", good)
+    stack.check_accelerator_upgrade("TPU", {"jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.42.1"})
+    for bad in ({**good, "jax-cuda12-plugin": "0.7.2"},  # `pip install -U jax`: the plugin stays old
+                {k: v for k, v in good.items() if k != "jax-cuda12-pjrt"},
+                {**good, "jax": floor.replace(floor.split(".")[1], "0", 1)}):  # below the floor
+        with pytest.raises(SystemExit, match="colab-stack"):
+            stack.check_accelerator_upgrade("GPU", bad)
+    with pytest.raises(SystemExit, match="libtpu"):
+        stack.check_accelerator_upgrade("TPU", {"jax": "0.10.2", "jaxlib": "0.10.2"})
+
+
+def test_the_colab_emulation_runs_chapter_7s_install_cell_from_this_checkout():
+    stack = ci_scripts.load("colab_stack")
+    source = stack.cell_source()
+    assert f'MINI_MOE = "mini_moe[tfds] @ file://{stack.ROOT}"' in source  # chapter 7 reads Fashion-MNIST
+    assert "%pip install -q -U {upgrade}" in source and '%pip install -q "{MINI_MOE}"' in source
