@@ -9,7 +9,7 @@
 # default the commit before the one that first committed the results file (HEAD when none).
 # SEEDS (default 0-7) and MACHINE choose a share of the plan and its file, so that a second core
 # can run other seeds into its own file at the same time, with the same code:
-#   MACHINE=cpu-2core-xeon SOURCE=c5ef9f1 SEEDS="7 6 5 4" taskset -c 0 bash mini_moe/results/subtasks_converged.sh
+#   MACHINE=cpu-2core-xeon SOURCE=c5ef9f1 SEEDS="7 6 5" taskset -c 0 bash mini_moe/results/subtasks_converged.sh
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 MACHINE=${MACHINE:-cpu-2core-epyc}
