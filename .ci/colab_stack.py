@@ -96,10 +96,11 @@ def check_accelerator_upgrade(accelerator: str, plan: dict[str, str]) -> None:
     jax = plan.get("jax")
     if jax is None or release(jax) < release(floors()["jax"]):
         raise SystemExit(f"colab-stack: on a {accelerator} the install cell would not upgrade JAX to the floor: {plan}")
-    companions = ["jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt"] if accelerator == "GPU" else ["jaxlib", "libtpu"]
+    # At JAX's own version: jaxlib and the CUDA plugin; libtpu has version numbers of its own.
+    same_version = ["jaxlib", "jax-cuda12-plugin", "jax-cuda12-pjrt"] if accelerator == "GPU" else ["jaxlib"]
+    companions = same_version + (["libtpu"] if accelerator == "TPU" else [])
     missing = [name for name in companions if name not in plan]
-    mismatched = [f"{name} {plan[name]}" for name in companions[:-1 if accelerator == "TPU" else None]
-                  if name in plan and plan[name] != jax]
+    mismatched = [f"{name} {plan[name]}" for name in same_version if name in plan and plan[name] != jax]
     if missing or mismatched:
         raise SystemExit(f"colab-stack: on a {accelerator} the upgrade to JAX {jax} would leave the accelerator "
                          f"build behind: missing {missing}, other versions {mismatched}")
