@@ -10,7 +10,8 @@ cell that only sets environment variables) is
 generated from one place: the repository URL (``repository.url``) and the git ref
 (``parse.myst_substitutions.mini_moe_ref``) in ``_config.yml``, and the JAX/Flax/Optax/Orbax floors
 in ``pyproject.toml``. And every ``{glue:text}`key``` in a chapter's prose must be glued by a
-``glue("key", ...)`` call in one of its code cells (an f-string name counts as a pattern).
+``glue("key", ...)`` call in one of its code cells (an f-string name counts as a pattern), and no
+key may be glued by two calls of one chapter (myst-nb's duplicate-key warning fails the build).
 Finally, the pages show only what teaches: the whole book may show at most
 :data:`MAX_VISIBLE_GLUE` lines that call ``glue(`` in code cells a reader sees (bookkeeping goes
 into cells tagged ``remove-input``, ``hide-input`` or ``remove-cell``).
@@ -26,9 +27,12 @@ into cells tagged ``remove-input``, ``hide-input`` or ``remove-cell``).
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
+import itertools
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import jupytext
@@ -164,16 +168,115 @@ def write_install_cells() -> list[Path]:
     return changed
 
 
+def _glue_pattern(is_f: str, name: str) -> re.Pattern:
+    """The keys a ``glue("name", ...)`` call can glue: ``name`` itself, or for an f-string name
+    anything in place of each ``{...}`` part."""
+    if not is_f:
+        return re.compile(re.escape(name))
+    parts = re.split(r"\{[^}]*\}", name)
+    return re.compile(".+".join(re.escape(p) for p in parts))
+
+
+def _cell_sources(md_text: str) -> list[str]:
+    """The Python of each code cell: cell options (``:tags: ...``) and IPython magics become ``pass``."""
+    sources = []
+    for match in CODE_CELL.finditer(md_text):
+        lines = []
+        for line in match.group(1).splitlines():
+            stripped = line.lstrip()
+            lines.append(line[: len(line) - len(stripped)] + "pass" if stripped.startswith(("%", "!", ":")) else line)
+        sources.append("\n".join(lines))
+    return sources
+
+
+def _literal_lists(trees) -> dict[str, list]:
+    """Names bound exactly once, at the top level of a cell, to a literal list or tuple."""
+    bound: dict[str, list] = {}
+    seen: Counter = Counter()
+    for tree in trees:
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                seen[node.targets[0].id] += 1
+                try:
+                    value = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+                if isinstance(value, (list, tuple)):
+                    bound[node.targets[0].id] = list(value)
+    return {name: value for name, value in bound.items() if seen[name] == 1}
+
+
+def glue_keys(md_text: str) -> list[tuple[str, ...]]:
+    """The keys that each ``glue(...)`` call of a chapter defines, one tuple per call.
+
+    A literal name gives one key. An f-string name over the variables of enclosing ``for`` loops
+    whose iterables are literal lists (written in place, or bound once to a name at a cell's top
+    level) gives one key per value. Any other f-string stays a template (``ch08_{name}``): which
+    keys it defines is known only when the chapter runs.
+    """
+    trees = [ast.parse(source) for source in _cell_sources(md_text)]
+    lists = _literal_lists(trees)
+    calls = []
+    for tree in trees:
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "glue"
+                    and node.args):
+                continue
+            name = node.args[0]
+            if isinstance(name, ast.Constant) and isinstance(name.value, str):
+                calls.append((name.value,))
+            elif isinstance(name, ast.JoinedStr):
+                calls.append(_expand(name, node, parents, lists))
+    return calls
+
+
+def _expand(name: ast.JoinedStr, call: ast.AST, parents: dict, lists: dict) -> tuple[str, ...]:
+    """The keys of an f-string glue name (see glue_keys), or the template itself."""
+    loops = {}
+    node = call
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id not in loops:
+            if isinstance(node.iter, ast.Name) and node.iter.id in lists:
+                loops[node.target.id] = lists[node.iter.id]
+            elif isinstance(node.iter, (ast.List, ast.Tuple)):
+                try:
+                    loops[node.target.id] = list(ast.literal_eval(node.iter))
+                except ValueError:
+                    pass
+    names = []
+    for part in name.values:
+        if isinstance(part, ast.FormattedValue):
+            if not (isinstance(part.value, ast.Name) and part.value.id in loops and part.format_spec is None
+                    and part.conversion == -1):
+                return ("f\"" + ast.unparse(name)[2:-1] + "\"",)
+            names.append(part.value.id)
+    names = list(dict.fromkeys(names))
+    keys = []
+    for values in itertools.product(*(loops[n] for n in names)):
+        value_of = dict(zip(names, values))
+        keys.append("".join(str(part.value) if isinstance(part, ast.Constant) else str(value_of[part.value.id])
+                            for part in name.values))
+    return tuple(keys)
+
+
+def glued_twice(md_text: str) -> list[str]:
+    """Glue keys that two ``glue(...)`` calls of one chapter define (or one call twice, from a loop
+    over a list that holds a value twice), with the number of times each is defined.
+
+    myst-nb warns about such a key when it builds the page (``glue key '...' duplicate``), which
+    fails ``make book`` (``-W``). The keys are those of :func:`glue_keys`; two calls with the same
+    f-string template that cannot be expanded count as a duplicate too.
+    """
+    counts = Counter(key for keys in glue_keys(md_text) for key in keys)
+    return [f"{key} ({count} times)" for key, count in sorted(counts.items()) if count > 1]
+
+
 def unglued(md_text: str) -> list[str]:
     """Glue keys that the prose uses but no code cell of the chapter glues."""
     code = "\n".join(m.group(1) for m in CODE_CELL.finditer(md_text))
-    patterns = []
-    for is_f, name in GLUE_CALL.findall(code):
-        if is_f:  # an f-string name: its {...} parts match anything
-            parts = re.split(r"\{[^}]*\}", name)
-            patterns.append(re.compile(".+".join(re.escape(p) for p in parts)))
-        else:
-            patterns.append(re.compile(re.escape(name)))
+    patterns = [_glue_pattern(is_f, name) for is_f, name in GLUE_CALL.findall(code)]
     prose = CODE_CELL.sub("", md_text)
     return sorted({key for key in GLUE_ROLE.findall(prose) if not any(p.fullmatch(key) for p in patterns)})
 
@@ -233,6 +336,9 @@ def check() -> list[str]:
                             "run `make sync`")
         for key in unglued(md_text):
             problems.append(f"{rel_md}: the prose uses {{glue:text}}`{key}` but no cell calls glue(\"{key}\", ...)")
+        for key in glued_twice(md_text):
+            problems.append(f"{rel_md}: the glue key {key} is defined twice: myst-nb warns "
+                            "'glue key ... duplicate' and `make book` (-W) fails; glue each key once")
         visible[rel_md] = len(visible_glue_lines(text_nb))
         nb = nbformat.read(ipynb, as_version=4)
         if _cells(nb) != _cells(text_nb):

@@ -137,3 +137,46 @@ def test_visible_glue_lines_count_only_cells_a_reader_sees():
         nbformat.v4.new_markdown_cell('{glue:text}`a` and glue("e", 5)'),
     ])
     assert notebooks.visible_glue_lines(nb) == ['glue("a", x)', 'glue("b", 2)']
+
+
+def test_a_glue_key_defined_twice_in_a_chapter_fails_the_static_check(tmp_path, monkeypatch):
+    """Issue 33: chapter 13 glued ``ch13_ms_remoe`` in a loop over its arms and again by name, and
+    myst-nb's duplicate-key warning failed `make book`. The check expands an f-string name over a
+    loop whose list is written in the chapter, so it finds that case; templates it cannot expand
+    (``ch08_{name}`` over a dict) are left to the build."""
+    import ci_scripts
+
+    notebooks = ci_scripts.load("notebooks")
+    template = (
+        "# T\n\n```{code-cell} ipython3\n:tags: [remove-input]\n\nARMS = [\"a\", \"remoe\"]\n"
+        "for arm in ARMS:\n    glue(f\"ch99_ms_{arm}\", 1.0)\n```\n\n"
+        "```{code-cell} ipython3\n%matplotlib inline\nfor k in (\"x\", \"y\"):\n    glue(f\"ch99_{k}_{k}\", 2)\n"
+        "for name, v in {\"z\": 1}.items():\n    glue(f\"ch99_{name}\", v)\n"
+        "glue(\"ch99_other\", 3)\nEXTRA```\n")
+
+    def chapter(extra):
+        return template.replace("EXTRA", extra)
+
+    assert sorted(notebooks.glue_keys(chapter(""))) == [
+        ("ch99_ms_a", "ch99_ms_remoe"), ("ch99_other",), ("ch99_x_x", "ch99_y_y"), ('f"ch99_{name}"',)]
+    assert notebooks.glued_twice(chapter("")) == []
+    assert notebooks.glued_twice(chapter("glue(\"ch99_ms_remoe\", 2.0)\n")) == ["ch99_ms_remoe (2 times)"]
+    assert notebooks.glued_twice(chapter("glue(\"ch99_other\", 4)\n")) == ["ch99_other (2 times)"]
+    assert notebooks.glued_twice(chapter("for name in names:\n    glue(f\"ch99_{name}\", 0)\n")) == [
+        'f"ch99_{name}" (2 times)']
+
+    # ... and `notebooks.py check` reports it for a chapter of the book (in a copy of the repository)
+    book = tmp_path / "book"
+    book.mkdir()
+    for rel in ("_config.yml", "_toc.yml", "pyproject.toml"):
+        (tmp_path / rel).write_bytes((notebooks.ROOT / rel).read_bytes())
+    first = notebooks.chapters()[0]
+    for twin in (first, first.with_suffix(".ipynb")):
+        (book / twin.name).write_bytes(twin.read_bytes())
+    md = book / first.name
+    monkeypatch.setattr(notebooks, "ROOT", tmp_path)
+    monkeypatch.setattr(notebooks, "BOOK", book)
+    assert not [p for p in notebooks.check() if "defined twice" in p]
+    md.write_text(md.read_text() + "\n```{code-cell} ipython3\nglue(\"ch01_x\", 1)\nglue(\"ch01_x\", 2)\n```\n")
+    problems = [p for p in notebooks.check() if "defined twice" in p]
+    assert len(problems) == 1 and "ch01_x (2 times)" in problems[0], problems
