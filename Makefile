@@ -1,8 +1,9 @@
 # mini_moe: build the book, run the tests.
 #
 #   make book   the main job: execute every chapter and build the HTML into _build/html
-#   make test   unit tests, every chapter under nbval, the notebook-pair checks, the workflow
-#               lint and the offline browser check of a built slice of the book
+#   make test   the notebook-pair checks, the workflow lint, the wheel, the unit tests, every
+#               chapter under nbval and the whole book built from those executions (-W -n), the
+#               offline browser check of that build, and CI's self-check on throw-away books
 #   make sync   after editing book/NN_topic.md: update its .ipynb twin (outputs stripped)
 #   make floors the unit tests with every dependency at the lowest version pyproject.toml allows
 #
@@ -18,7 +19,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data data-apt data-tfds book test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
+.PHONY: venv data data-apt data-tfds book nbval-book book-selfcheck test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
 
 venv: $(STAMP)
 
@@ -55,16 +56,37 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test,book,dev]'
 	touch $(STAMP)
 
-# A stale _build/.doctrees can hide failing cells, so every build starts from scratch. Then the
-# Colab notebooks (.ci/colab.py): the executed chapters with glue and cite roles rendered, which
+# The book build: `make book` and `make test` run this one command (tests/test_readme_commands.py
+# checks that they do and that the README names them). -W -n --keep-going: any warning (a glue key
+# defined twice or never, a broken reference, a missing figure) fails the build after listing all.
+BOOK_BUILD = $(VENV)/bin/jupyter-book build . -W -n --keep-going
+# The Colab notebooks (.ci/colab.py): the executed chapters with glue and cite roles rendered, which
 # book.yml publishes on the colab branch that the Colab button opens.
+COLAB_NOTEBOOKS = $(PY) .ci/colab.py --out _build/colab/book _build/jupyter_execute/book/[0-9][0-9]_*.ipynb
+
+# A stale _build/.doctrees can hide failing cells, so every build starts from scratch; every
+# chapter is executed (_config.yml: execute_notebooks: force).
 book: venv data
 	rm -rf _build
-	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	$(BOOK_BUILD)
 	@echo "HTML: _build/html/index.html"
-	$(PY) .ci/colab.py --out _build/colab/book _build/jupyter_execute/book/[0-9][0-9]_*.ipynb
+	$(COLAB_NOTEBOOKS)
 
-test: check-notebooks lint-workflows dist unit nbval browser-check
+# CI's book: every chapter under nbval, then the whole book built by BOOK_BUILD from what nbval's
+# kernels computed, so each chapter is executed once (.ci/nbval_record.py): nbval fails on a cell
+# error, the build on any warning, and `verify` if the build had to execute a chapter itself.
+NBVAL_EXECUTED := _build/nbval
+BOOK_CACHE := _build/.jupyter_cache
+nbval-book: venv data
+	rm -rf _build
+	PYTHONPATH=.ci $(PY) -m pytest -p nbval_record --nbval-record $(NBVAL_EXECUTED) --nbval-lax --nbval-current-env $(CHAPTERS_NB)
+	$(PY) .ci/nbval_record.py cache $(NBVAL_EXECUTED) $(BOOK_CACHE) --expect $(words $(CHAPTERS_NB))
+	$(BOOK_BUILD) --config $(BOOK_CACHE)/_config.yml
+	$(PY) .ci/nbval_record.py verify $(BOOK_CACHE)
+	@echo "HTML: _build/html/index.html"
+	$(COLAB_NOTEBOOKS)
+
+test: check-notebooks lint-workflows dist unit nbval-book browser-check book-selfcheck
 
 # pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores).
 # UNIT_ENV: environment for the unit tests, e.g. UNIT_ENV="XLA_FLAGS=--xla_cpu_max_isa=AVX2" (.ci/run).
@@ -96,7 +118,8 @@ floors: $(FLOORS_STAMP) data
 	$(FLOORS_PY) .ci/floors.py --check
 	$(FLOORS_PY) -m pytest tests $(FLOORS_PYTEST_ARGS)
 
-# --nbval-current-env runs the chapters with the kernel of this venv.
+# --nbval-current-env runs the chapters with the kernel of this venv. (`make test` runs them in
+# nbval-book, which also builds the book from the same executions.)
 nbval: venv data
 	$(PY) -m pytest --nbval-lax --nbval-current-env $(CHAPTERS_NB)
 
@@ -121,10 +144,17 @@ chromium:
 	else command -v chromium >/dev/null || command -v chromium-browser >/dev/null || command -v google-chrome >/dev/null \
 	  || $(SUDO) apt-get install -y chromium || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }; fi
 
-# Builds intro + chapter 1 (+ a probe page) into a temporary folder with _config.yml and opens
-# the pages in headless Chromium without network: equations typeset, figures loaded.
+# Opens the built book (_build/html, from `make book` or `make nbval-book`) in headless Chromium
+# without network: the introduction and every chapter page, equations typeset, figures loaded.
 browser-check: venv data chromium
-	$(PY) .ci/browser_check.py
+	$(PY) .ci/browser_check.py --html _build/html
+
+# CI checks itself: throw-away books in temporary copies of the repository go through nbval-book.
+# A good one (with a probe page of LaTeX cell outputs) must build and pass the browser check; one
+# with a failing cell, one with a glue key defined twice, one with a broken reference and one with a
+# missing figure must each fail (.ci/book_selfcheck.py).
+book-selfcheck: venv data chromium
+	$(PY) .ci/book_selfcheck.py
 
 sync: venv
 	$(PY) .ci/notebooks.py install

@@ -3,13 +3,14 @@
 The book is a web page and is tested like one (DESIGN.md §5): every equation must be typeset
 by the math renderer that ships inside the build (no CDN), and every figure must load.
 
-    python .ci/browser_check.py                       # build a slice of the book, check it
+    python .ci/browser_check.py                          # the book in _build/html: intro + every chapter
     python .ci/browser_check.py --html _build/html book/01_unified_formulation.html ...
 
-Without --html it builds a small book into a temporary folder from the repository's own
-_config.yml: the introduction, chapter 1 (executed: inline, display and amsmath equations,
-matplotlib figures), the references and a probe page whose code cells emit LaTeX outputs
-(``display(Math(...))``, ``glue``), then checks the chapter, the probe and the introduction.
+It checks a book that is already built (`make book`, or `make nbval-book` as `make test` does):
+by default the introduction and every chapter page (``book/NN_topic.html``), so at least one page of
+each part of the book. :data:`PROBE_PAGE` is a chapter whose code cells emit LaTeX outputs
+(``display(Math(...))``, ``glue``); CI's self-check (.ci/book_selfcheck.py) builds it into a
+throw-away book and checks it here, so that typesetting of cell outputs stays tested.
 
 For each page, Chromium (found as $CHROMIUM, chromium, chromium-browser or google-chrome) runs
 headless inside ``unshare -n`` when that works, and always with DNS resolution and proxying
@@ -19,7 +20,8 @@ A page passes when MathJax typeset every math element (``span.math``/``div.math`
 ``mjx-container``, no ``mjx-merror``, no web font failed), no raw TeX delimiter is left in its
 visible text outside code, no display equation is cut off where scrolling cannot reach it (in a
 1280 px and a 412 px wide window), no code cell input is wider than its box (long lines wrap,
-_static/mini_moe.css), and every ``<img>`` in the article has ``naturalWidth > 0``.
+_static/mini_moe.css), and every ``<img>`` in the article has ``naturalWidth > 0``; a chapter page
+must also show at least one typeset equation and one figure, and a probe page its LaTeX outputs.
 Exit status 1 with a message saying what failed otherwise.
 """
 
@@ -39,10 +41,7 @@ import textwrap
 import time
 from pathlib import Path
 
-import colab  # .ci/colab.py (this folder is on sys.path when the script runs)
-
 ROOT = Path(__file__).resolve().parent.parent
-CHAPTER = "book/01_unified_formulation"
 PHONE_WIDTH = 412  # a second window width for the cut-off-equation check
 
 PROBE_PAGE = textwrap.dedent(r'''
@@ -78,6 +77,14 @@ PROBE_PAGE = textwrap.dedent(r'''
 
     display(Math(r"\sum_{c=1}^{C} \mathbf{D}_{t,e,c} \le 1"))
     glue("probe_glued", Math(r"\tfrac{k T}{E}"), display=False)
+    ```
+
+    ```{code-cell} ipython3
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    ax.plot([0, 1, 2], [0, 1, 4])
+    ax.set_title("probe figure");
     ```
 
     A glued LaTeX output inline: {glue:}`probe_glued`, and a reference to {eq}`probe-softmax`.
@@ -343,73 +350,26 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
     return m, [f"{page}: {p}" for p in problems]
 
 
-def build_slice(workdir: Path) -> Path:
-    """Build intro + chapter 1 + probe page + API reference + references with the repository's
-    _config.yml (the API page's autodoc must build without a warning too)."""
-    src = workdir / "src"
-    (src / "book").mkdir(parents=True)
-    for rel in ("_config.yml", "references.bib", "book/intro.md", "book/references.md", "book/api.md",
-                f"{CHAPTER}.ipynb"):
-        shutil.copy2(ROOT / rel, src / rel)
-    if (ROOT / "_static").is_dir():
-        shutil.copytree(ROOT / "_static", src / "_static")
-    (src / "book/zz_browser_probe.md").write_text(PROBE_PAGE)
-    (src / "_toc.yml").write_text(textwrap.dedent(f"""\
-        format: jb-book
-        root: book/intro
-        chapters:
-          - file: {CHAPTER}.ipynb
-          - file: book/zz_browser_probe
-          - file: book/api
-          - file: book/references
-        """))
-    jb = Path(sys.executable).parent / "jupyter-book"
-    # -W -n as in `make book`: a warning (an unknown glue key, a broken reference) fails the slice too
-    cmd = [str(jb if jb.exists() else "jupyter-book"), "build", str(src), "--path-output", str(workdir),
-           "-W", "-n", "--keep-going"]
-    print("browser check: building a slice of the book:", " ".join(cmd), flush=True)
-    t0 = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode:
-        print(done.stdout[-6000:], done.stderr[-6000:], sep="\n", file=sys.stderr)
-        sys.exit(f"browser check FAILED: the slice build exited with {done.returncode}")
-    print(f"browser check: slice built in {time.monotonic() - t0:.0f} s", flush=True)
-    return workdir / "_build" / "html"
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pages", nargs="*", help="pages relative to --html (default: every chapter page "
-                        "found); a chapter page (book/NN_topic.html) must show an equation and a figure")
-    parser.add_argument("--html", type=Path, help="an existing build (e.g. _build/html); default: build a slice")
+    parser.add_argument("pages", nargs="*", help="pages relative to --html (default: book/intro.html and every "
+                        "chapter page found); a chapter page (book/NN_topic.html) must show an equation and a figure")
+    parser.add_argument("--html", type=Path, default=ROOT / "_build" / "html",
+                        help="a built book (default: _build/html, from `make book` or `make nbval-book`)")
     parser.add_argument("--screenshots", type=Path, help="save a full-page PNG of each page here")
-    parser.add_argument("--keep", type=Path, help="build the slice here (kept) instead of a temporary folder")
     args = parser.parse_args(argv)
 
+    html = args.html
+    if not (html / "index.html").exists():
+        sys.exit(f"browser check: {html} holds no built book (no index.html): run `make book` (or "
+                 "`make nbval-book`) first, or pass --html")
     chromium = find_chromium()
-    tmp = None
-    if args.html:
-        html = args.html
-        pages = args.pages or sorted(p.relative_to(html).as_posix()
-                                     for p in html.glob("book/[0-9][0-9]_*.html"))
-        chapters = [p for p in pages if re.fullmatch(r"book/\d\d_\w+\.html", p)]
-    else:
-        if args.keep:
-            if args.keep.exists() and any(args.keep.iterdir()) \
-                    and not (args.keep / "src/book/zz_browser_probe.md").exists():
-                sys.exit(f"browser check: --keep {args.keep} is a folder that is not a slice build")
-            shutil.rmtree(args.keep, ignore_errors=True)
-            workdir = args.keep
-        else:
-            workdir = tmp = Path(tempfile.mkdtemp(prefix="browser-check-"))
-        html = build_slice(workdir)
-        pages = args.pages or [f"{CHAPTER}.html", "book/zz_browser_probe.html", "book/intro.html"]
-        chapters = [f"{CHAPTER}.html"]
-        # The Colab notebook of the executed chapter (.ci/colab.py, as `make book` writes them all):
-        # its glue and cite roles must render from what this build recorded.
-        executed = workdir / "_build" / "jupyter_execute" / f"{CHAPTER}.ipynb"
-        if colab.main(["--out", str(workdir / "colab"), str(executed)]):
-            sys.exit(f"browser check FAILED: the Colab notebook of {executed.name} did not render")
+    pages = args.pages or ["book/intro.html"] + sorted(p.relative_to(html).as_posix()
+                                                        for p in html.glob("book/[0-9][0-9]_*.html"))
+    chapters = [p for p in pages if re.fullmatch(r"book/\d\d_\w+\.html", p)]
+    missing = [p for p in pages if not (html / p).exists()]
+    if missing:
+        sys.exit(f"browser check: no such page in {html}: {', '.join(missing)}")
 
     problems: list[str] = []
     browser = Browser(chromium)
@@ -431,17 +391,13 @@ def main(argv=None) -> int:
                 problems.append(f"{page}: no equation rendered (MathJax: {m['state']})")
             if page in chapters and figs == 0:
                 problems.append(f"{page}: no figure loaded")
-            if page == "book/zz_browser_probe.html" and m["output_math"] < 2:
+            if "browser_probe" in page and m["output_math"] < 2:
                 problems.append(f"{page}: LaTeX cell outputs not typeset ({m['output_math']} of 2)")
     finally:
         browser.close()
-        if tmp and not problems:
-            shutil.rmtree(tmp, ignore_errors=True)
     sys.stdout.flush()
     if problems:
         print("browser check FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
-        if tmp:
-            print(f"  (the slice build is kept in {tmp})", file=sys.stderr)
         return 1
     print(f"browser check: {len(pages)} page(s) render their equations and figures offline")
     return 0

@@ -31,7 +31,11 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLE = re.compile(r"\{(glue:text|cite:p|cite:t)\}`([^`]*)`")
+ROLE = re.compile(r"\{(glue:text|glue:|glue|cite:p|cite:t)\}`([^`]*)`")
+
+
+class Latex(str):
+    """A glued value whose output is LaTeX (``IPython.display.Math``): its TeX, without delimiters."""
 MATH_BLOCK = re.compile(r"```\{math\}[^\n]*\n(.*?)```", re.S)
 
 
@@ -47,15 +51,20 @@ def glued_values(nb, glue_data: dict | None = None) -> dict:
     """The values a chapter glued, by key: from myst-nb's ``.glue.json`` (``glue_data``: key ->
     output, which is where an executed book notebook keeps them) and from glue outputs still in
     the notebook (``scrapbook`` display outputs, as a kernel writes them)."""
-    values = {key: _plain(output["data"]["text/plain"]) for key, output in (glue_data or {}).items()
-              if "text/plain" in output.get("data", {})}
+    values = {key: Latex(output["data"]["text/latex"].strip().strip("$").strip())
+              if "text/latex" in output.get("data", {}) else _plain(output["data"]["text/plain"])
+              for key, output in (glue_data or {}).items()
+              if {"text/plain", "text/latex"} & set(output.get("data", {}))}
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             record = output.get("metadata", {}).get("scrapbook")
             if output.get("output_type") != "display_data" or not record:
                 continue
-            text = output["data"].get(record.get("mime_prefix", "") + "text/plain")
-            if text is not None:
+            prefix = record.get("mime_prefix", "")
+            latex, text = output["data"].get(prefix + "text/latex"), output["data"].get(prefix + "text/plain")
+            if latex is not None:
+                values[record["name"]] = Latex(latex.strip().strip("$").strip())
+            elif text is not None:
                 values[record["name"]] = _plain(text)
     return values
 
@@ -100,6 +109,11 @@ def render_markdown(text: str, values: dict, refs: dict) -> str:
         kind, content = match.groups()
         if kind == "glue:text":
             return _glue_text(content, values)
+        if kind in ("glue:", "glue"):  # the glued output itself: LaTeX as inline math, else its text
+            value = values.get(content)
+            if value is None:
+                raise KeyError(f"{{{kind}}}`{content}`: the notebook glued no value named {content!r}")
+            return f"${value}$" if isinstance(value, Latex) else str(value)
         keys = [k.strip() for k in content.split(",") if k.strip()]
         missing = [k for k in keys if k not in refs]
         if missing:

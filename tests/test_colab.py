@@ -61,6 +61,19 @@ def test_values_come_from_myst_nbs_glue_file_too():
     assert colab.colab_notebook(nb, {}, "note", glue_data).cells[1].source == "50%"
 
 
+def test_a_glued_latex_output_renders_as_inline_math():
+    """``{glue:}`key``` shows the glued output itself: a ``Math`` value becomes ``$...$`` on Colab."""
+    prefix = "application/papermill.record/"
+    code = nbformat.v4.new_code_cell("glue(...)")
+    code.outputs = [nbformat.v4.new_output(
+        "display_data", data={prefix + "text/latex": "$\\displaystyle \\tfrac{k T}{E}$", prefix + "text/plain": "<Math>"},
+        metadata={"scrapbook": {"name": "c", "mime_prefix": prefix}}), _glue_output("n", "3")]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("C = {glue:}`c`, n = {glue}`n`."), code])
+    assert colab.colab_notebook(nb, {}, "note").cells[1].source == "C = $\\displaystyle \\tfrac{k T}{E}$, n = 3."
+    with pytest.raises(KeyError, match="no value named 'd'"):
+        colab.render_markdown("{glue:}`d`", {}, {})
+
+
 def test_the_script_writes_every_chapter(tmp_path):
     code = nbformat.v4.new_code_cell("x")
     code.outputs = [_glue_output("n", "3")]
