@@ -31,7 +31,14 @@ name                                   affinity                         allocati
 ``sinkhorn_expert_choice``             :class:`SinkhornPlan`            :class:`ExpertChoice`
 ``sparsity_constrained_expert_choice`` :class:`SparsityConstrainedPlan` :class:`ExpertChoice`
 ``soft_moe``                           :class:`SlotLogits`              :class:`SoftRouting`
+``hash`` (a routing control)           :class:`HashProjection`          :class:`TokenChoice`
 ====================================== ================================ =====================
+
+Routing controls, for experiments that ask whether the *learned* routing matters: any router
+can be frozen (``make_router(..., frozen=True)``, :func:`freeze`: its weights stay at their
+initial values while the experts train), ``hash`` routes by a fixed random projection that
+nothing learns, and the options ``noise_std`` and ``balance_loss`` of ``softmax_token_choice`` and
+``noise_std`` of ``softmax_expert_choice`` give the two allocations the same noise and losses.
 
 What the rest of the library needs to know about a registered router (how the capacity factor
 reaches it, whether it routes each image on its own, where the model places its MoE layers) is
@@ -438,6 +445,71 @@ class SlotLogits(nnx.Module):
 # ----------------------------------------------------------------------------- allocations
 
 
+# ------------------------------------------------------------------------- routing controls
+
+
+class FrozenWeight(nnx.Variable):
+    """A router weight held at its initial value (a routing control): a variable of its own type,
+    not an ``nnx.Param``, so no gradient reaches it and the optimizer (``wrt=nnx.Param``) keeps no
+    state for it; checkpoints save it with the rest of the model's state."""
+
+
+def freeze(router: "Router") -> "Router":
+    """Hold every parameter of ``router``'s affinity at its current value (in place; returns it).
+
+    The control of a learned-routing experiment: the experts train, the routing stays the one
+    its random initialisation gives, so a frozen router differs from a learned one only in
+    whether the routing learns. Each ``nnx.Param`` of the affinity (the router weights ``W``;
+    Soft MoE's ``phi`` and scale) becomes a :class:`FrozenWeight` of the same value. What the
+    affinity updates without a gradient (DeepSeek-V3's bias, ReMoE's lambda) still updates.
+    ``make_router(..., frozen=True)`` and ``model_router_kwargs={"frozen": True}`` call it.
+    """
+    modules = nnx.iter_modules(router.affinity) if hasattr(nnx, "iter_modules") else router.affinity.iter_modules()
+    for _, module in modules:
+        for name, value in list(vars(module).items()):
+            if isinstance(value, nnx.Param):
+                setattr(module, name, FrozenWeight(value[...]))
+    return router
+
+
+class HashProjection(nnx.Module):
+    """A hash router's affinity: a fixed random partition of the token space, not learned.
+
+    The idea of Hash Layers (Roller et al. 2021, arXiv 2106.04426), where a token's expert is a
+    fixed hash of its identity, carried to continuous tokens by locality-sensitive hashing: a
+    random projection ``Q [D, E]`` with orthonormal columns (Gaussian columns of unit norm when
+    ``D < E``), held fixed (:class:`FrozenWeight`), and each token goes to the ``k`` experts whose
+    projections ``x Q`` are largest, with combine weight ``1 / k``. Nearby tokens share experts;
+    nothing about the task decides which.
+
+    Balance: for isotropic tokens (``x ~ N(0, I)``) and ``D >= E``, ``x Q ~ N(0, I_E)``, so every
+    expert is equally likely, each token independently; the load of a group is multinomial. On a
+    trained representation, which is not isotropic, the balance is whatever the data give (the
+    router's ``max_violation`` metric shows it) and the capacity drops the overflow as for any
+    Token Choice router.
+    """
+
+    def __init__(self, dim: int, num_experts: int, *, rngs: nnx.Rngs):
+        check_int("dim", dim)
+        check_int("num_experts", num_experts)
+        self.dim, self.num_experts = dim, num_experts
+        gauss = jax.random.normal(rngs.params(), (dim, num_experts), jnp.float32)
+        if dim >= num_experts:
+            projection = jnp.linalg.qr(gauss)[0]  # orthonormal columns
+        else:
+            projection = gauss / jnp.linalg.norm(gauss, axis=0, keepdims=True)
+        self.projection = FrozenWeight(projection)
+
+    def logits(self, x: Array) -> Array:
+        """The projections ``x Q``: ``[..., T, E]``."""
+        return x @ self.projection[...].astype(x.dtype)
+
+    def __call__(self, x: Array, budget: Budget) -> Affinities:
+        picks = jax.lax.top_k(self.logits(x), budget.k)[1]  # [..., T, k]
+        gates = jax.nn.one_hot(picks, self.num_experts, dtype=jnp.float32).sum(-2) / budget.k  # [..., T, E]
+        return Affinities(gates, probs=gates)
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenChoice:
     """Algorithm 1 (paper 000): every token picks its top ``k`` experts, each expert keeps the
@@ -677,9 +749,17 @@ def register(name: str, *, allocation: str, placement: str = "every2",
     return add
 
 
-def make_router(name: str, dim: int, num_experts: int, *, rngs: nnx.Rngs, **kwargs) -> Router:
-    """Create the router registered as ``name`` (see :data:`ROUTERS`)."""
-    return spec(name).build(dim, num_experts, rngs=rngs, **kwargs)
+def make_router(name: str, dim: int, num_experts: int, *, rngs: nnx.Rngs, frozen: bool = False,
+                **kwargs) -> Router:
+    """Create the router registered as ``name`` (see :data:`ROUTERS`) with its ``kwargs``.
+
+    ``frozen=True``: the router's weights stay at their initial values (:func:`freeze`), the
+    routing control of a learned-routing experiment.
+    """
+    if not isinstance(frozen, bool):
+        raise InputError(f"frozen must be True or False, got {frozen!r}.")
+    router = spec(name).build(dim, num_experts, rngs=rngs, **kwargs)
+    return freeze(router) if frozen else router
 
 
 def per_image(name: str | None) -> bool:
@@ -749,6 +829,14 @@ def remoe(dim, num_experts, *, k=1, capacity_factor=None, l1_init=1e-8, l1_rate=
                                         min_score=0.0))
 
 
+@register("hash", allocation="token")
+def hash_router(dim, num_experts, *, k=1, capacity_factor=None, batch_priority=False, rngs: nnx.Rngs) -> Router:
+    """A hash router (a routing control; Roller et al. 2021's Hash Layers for continuous tokens):
+    each token to the k experts of a fixed random projection (:class:`HashProjection`), combine
+    weight 1/k; Token Choice (Algorithm 1) allocates. Nothing in it is learned."""
+    return Router(HashProjection(dim, num_experts, rngs=rngs), TokenChoice(k, capacity_factor, batch_priority))
+
+
 @register("sinkhorn_token_choice", allocation="token")
 def sinkhorn_token_choice(dim, num_experts, *, k=1, capacity_factor=None, batch_priority=False,
                           softmax_combine=True, num_iters=20, epsilon=1.0, rngs: nnx.Rngs) -> Router:
@@ -768,9 +856,18 @@ def svmoe(dim, num_experts, *, k=2, capacity_factor=None, batch_priority=False, 
 
 
 @register("softmax_expert_choice", allocation="expert")
-def softmax_expert_choice(dim, num_experts, *, capacity_factor=1.0, rngs: nnx.Rngs) -> Router:
-    """Softmax Expert Choice (paper 000, Sec. 2.3; Zhou et al. 2022): Algorithm 2 on softmax(XW)."""
-    return Router(Softmax(dim, num_experts, rngs=rngs), ExpertChoice(capacity_factor))
+def softmax_expert_choice(dim, num_experts, *, capacity_factor=1.0, noise_std=0.0, deterministic=False,
+                          rngs: nnx.Rngs) -> Router:
+    """Softmax Expert Choice (paper 000, Sec. 2.3; Zhou et al. 2022): Algorithm 2 on softmax(XW).
+
+    ``noise_std > 0``: the experts rank ``softmax(XW + noise)`` with Token Choice's training noise
+    N(0, (noise_std / E)^2) (:class:`NoisySoftmax`, no auxiliary loss), so that Expert Choice and
+    Token Choice can be compared with the same noise; 0 (the paper's router): no noise."""
+    if noise_std == 0:
+        return Router(Softmax(dim, num_experts, rngs=rngs), ExpertChoice(capacity_factor))
+    affinity = NoisySoftmax(dim, num_experts, noise_std=noise_std, balance_loss="none",
+                            deterministic=deterministic, rngs=rngs)
+    return Router(affinity, ExpertChoice(capacity_factor))
 
 
 @register("sinkhorn_expert_choice", allocation="expert")

@@ -1,0 +1,142 @@
+"""Routing controls (issue 34): a frozen router, a hash router, and the options that split the
+confounds between Token Choice and Expert Choice (noise, auxiliary loss). Each option must change
+exactly what it says and nothing else."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from mini_moe import config as config_lib
+from mini_moe import layer, losses, routers, train
+from mini_moe.validate import InputError
+
+D, E = 16, 4
+
+
+def _leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def _assert_same(got, expected):
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
+def _train(router, steps=5, seed=0):
+    """A few Adam steps of an MoE layer (router + experts) on a regression target."""
+    experts = layer.MlpExperts(E, D, hidden=16, rngs=nnx.Rngs(1))
+    model = nnx.List([router, experts]) if hasattr(nnx, "List") else [router, experts]
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(seed), (2, 32, D))
+    y = jnp.sin(x)
+
+    @nnx.jit
+    def step(model, optimizer, x, y):
+        def loss(model):
+            r, e = model[0], model[1]
+            out = r(x)
+            return jnp.mean((layer.moe(x, out.routing, e) - y) ** 2) + 0.01 * out.aux_loss
+        grads = nnx.grad(loss)(model)
+        optimizer.update(model, grads)
+
+    for _ in range(steps):
+        step(model, optimizer, x, y)
+    return experts, optimizer
+
+
+@pytest.mark.parametrize("name", ["softmax_token_choice", "sigmoid_loss_free", "soft_moe"])
+def test_a_frozen_router_keeps_its_initial_weights_while_the_experts_train(name):
+    learned = routers.make_router(name, D, E, rngs=nnx.Rngs(0))
+    frozen = routers.make_router(name, D, E, rngs=nnx.Rngs(0), frozen=True)
+    initial = _leaves(nnx.state(learned.affinity, nnx.Param))
+    assert initial and not nnx.state(frozen.affinity, nnx.Param)  # no parameter left to train
+    _assert_same(_leaves(nnx.state(frozen.affinity, routers.FrozenWeight)), initial)
+    experts_before = _leaves(nnx.state(layer.MlpExperts(E, D, hidden=16, rngs=nnx.Rngs(1)), nnx.Param))
+
+    experts, optimizer = _train(frozen)
+    _assert_same(_leaves(nnx.state(frozen.affinity, routers.FrozenWeight)), initial)
+    assert any(np.any(a != b) for a, b in zip(_leaves(nnx.state(experts, nnx.Param)), experts_before))
+    # the optimizer keeps no state for the frozen weights: only the experts' parameters have moments
+    moments = sum(a.size for a in _leaves(nnx.state(optimizer)) if a.ndim)  # Adam: two per parameter
+    assert moments == 2 * sum(a.size for a in _leaves(nnx.state(experts, nnx.Param)))
+    # ... while the same router, learned, moves
+    _train(learned)
+    assert any(np.any(a != b) for a, b in zip(_leaves(nnx.state(learned.affinity, nnx.Param)), initial))
+
+
+def test_frozen_routing_reaches_the_model_through_the_config_and_survives_a_checkpoint(tmp_path):
+    cfg = config_lib.get_config("quick", dataset="digits", router="softmax_token_choice", steps=4, batch_size=16,
+                                eval_every=2, checkpoint_every=2, eval_batch_size=32, model_dim=16, model_depth=2,
+                                model_heads=2, model_mlp_dim=16, model_num_experts=4, model_group_images=4,
+                                model_router_kwargs={"frozen": True})
+    model = train.make_model(cfg)
+    initial = _leaves(nnx.state(model, routers.FrozenWeight))
+    assert len(initial) == len(cfg.model.moe_blocks()) and initial
+    train.train(cfg, tmp_path, progress=False)
+    trained, _ = train.load_trained(tmp_path)
+    _assert_same(_leaves(nnx.state(trained, routers.FrozenWeight)), initial)
+    with pytest.raises(InputError, match="frozen must be True or False"):
+        routers.make_router("softmax_token_choice", D, E, rngs=nnx.Rngs(0), frozen="yes")
+
+
+def test_the_hash_router_is_balanced_on_random_tokens_deterministic_and_learns_nothing():
+    dim, experts, tokens = 32, 8, 8192
+    router = routers.make_router("hash", dim, experts, rngs=nnx.Rngs(3), capacity_factor=2.0)
+    assert not nnx.state(router, nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (tokens, dim))
+    out = router(x)
+    load = np.asarray(out.routing.dispatch.sum((0, 2)))
+    # no pick dropped at c = 2, and each expert's share within 5 binomial standard deviations of 1/E
+    assert load.sum() == tokens
+    sd = np.sqrt(tokens * (1 / experts) * (1 - 1 / experts))
+    assert np.all(np.abs(load - tokens / experts) < 5 * sd), load
+    # the expert is the argmax of the fixed projection, combine weight 1, and nothing random
+    expected = np.argmax(np.asarray(x @ router.affinity.projection[...]), axis=-1)
+    np.testing.assert_array_equal(np.asarray(out.routing.dispatch.sum(-1)).argmax(-1), expected)
+    np.testing.assert_allclose(np.asarray(out.routing.combine.sum((1, 2))), 1.0)
+    again = routers.make_router("hash", dim, experts, rngs=nnx.Rngs(3), capacity_factor=2.0)(x)
+    np.testing.assert_array_equal(np.asarray(again.routing.dispatch), np.asarray(out.routing.dispatch))
+    q = np.asarray(router.affinity.projection[...])
+    np.testing.assert_allclose(q.T @ q, np.eye(experts), atol=1e-5)  # orthonormal columns
+    # k = 2: the two largest projections, weight 1/2 each
+    two = routers.make_router("hash", dim, experts, rngs=nnx.Rngs(3), k=2, capacity_factor=4.0)(x)
+    top2 = np.sort(np.argsort(-np.asarray(x @ router.affinity.projection[...]), axis=-1)[:, :2], axis=-1)
+    got = np.sort(np.argsort(-np.asarray(two.routing.combine.sum(-1)), axis=-1)[:, :2], axis=-1)
+    np.testing.assert_array_equal(got, top2)
+    np.testing.assert_allclose(np.asarray(two.routing.combine.sum((1, 2))), 1.0)
+
+
+def test_token_choice_without_noise_and_loss_changes_exactly_those():
+    x = jax.random.normal(jax.random.key(0), (2, 32, D))
+    plain = routers.make_router("softmax_token_choice", D, E, rngs=nnx.Rngs(0), noise_std=0.0, balance_loss="none")
+    first, second = plain(x), plain(x)  # training mode: still deterministic without noise
+    np.testing.assert_array_equal(np.asarray(first.routing.dispatch), np.asarray(second.routing.dispatch))
+    assert float(first.aux_loss) == 0.0
+    np.testing.assert_allclose(np.asarray(first.probs), np.asarray(jax.nn.softmax(plain.logits(x), -1)), rtol=1e-6)
+    switch = routers.make_router("softmax_token_choice", D, E, rngs=nnx.Rngs(0), noise_std=0.0,
+                                 balance_loss="switch")(x)
+    np.testing.assert_allclose(float(switch.aux_loss), float(losses.switch_loss(first.probs, k=1)), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(switch.routing.dispatch), np.asarray(first.routing.dispatch))
+    # with the default noise, the same weights route differently from call to call in training
+    noisy = routers.make_router("softmax_token_choice", D, E, rngs=nnx.Rngs(0), balance_loss="none")
+    assert np.any(np.asarray(noisy(x).probs) != np.asarray(first.probs))
+
+
+def test_expert_choice_with_token_choices_noise():
+    """``noise_std`` gives Expert Choice the noise of Token Choice (the same NoisySoftmax, no loss);
+    in eval mode it is the paper's Expert Choice with the same weights."""
+    x = jax.random.normal(jax.random.key(0), (2, 32, D))
+    paper = routers.make_router("softmax_expert_choice", D, E, rngs=nnx.Rngs(0))
+    noisy = routers.make_router("softmax_expert_choice", D, E, rngs=nnx.Rngs(0), noise_std=1.0)
+    tc = routers.make_router("softmax_token_choice", D, E, rngs=nnx.Rngs(0), balance_loss="none")
+    np.testing.assert_array_equal(np.asarray(noisy.affinity.dense.kernel[...]), np.asarray(paper.affinity.dense.kernel[...]))
+    assert isinstance(noisy.affinity, routers.NoisySoftmax) and noisy.affinity.noise_std == tc.affinity.noise_std
+    # training mode: the noisy probabilities are those Token Choice computes with the same noise key
+    np.testing.assert_allclose(np.asarray(noisy(x).probs), np.asarray(tc(x).probs), rtol=1e-6)
+    assert float(noisy(x).aux_loss) == 0.0
+    noisy.eval()
+    np.testing.assert_array_equal(np.asarray(noisy(x).routing.dispatch), np.asarray(paper(x).routing.dispatch))
