@@ -92,7 +92,7 @@ test: check-notebooks lint-workflows dist unit nbval-book browser-check book-sel
 # UNIT_ENV: environment for the unit tests, e.g. UNIT_ENV="XLA_FLAGS=--xla_cpu_max_isa=AVX2" (.ci/run).
 UNIT_ENV ?=
 unit: venv data
-	$(UNIT_ENV) $(PY) -m pytest -n auto tests
+	$(UNIT_ENV) $(PY) -m pytest -n auto tests --durations=30
 
 # The declared floors, tested: a fresh second venv in which ONE pip call installs the package with
 # its test and tfds extras under constraints that pin every runtime dependency and the tfds extra
@@ -116,7 +116,7 @@ $(FLOORS_STAMP): pyproject.toml .ci/floors.py
 
 floors: $(FLOORS_STAMP) data
 	$(FLOORS_PY) .ci/floors.py --check
-	$(FLOORS_PY) -m pytest tests $(FLOORS_PYTEST_ARGS)
+	$(FLOORS_PY) -m pytest tests $(FLOORS_PYTEST_ARGS) --durations=30
 
 # --nbval-current-env runs the chapters with the kernel of this venv. (`make test` runs them in
 # nbval-book, which also builds the book from the same executions.)
