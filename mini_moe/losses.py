@@ -89,9 +89,13 @@ def switch_loss(probs: Array, *, k: int = 1, scope: str = "group", axis_name: st
         2501.11873): a group may then be unbalanced as long as the batch is. Inside ``jit`` over
         a sharded batch the means are global (XLA adds the cross-device sums).
       axis_name: with ``scope="batch"`` inside ``shard_map``, where each device holds part of the
-        batch: the mesh axis (or axes) the batch is split over (e.g. ``"data"``); the counts and
-        probabilities are summed over it with ``psum``, so every device gets the global-batch
-        loss. None outside ``shard_map``.
+        batch: every mesh axis the batch is split over, for the library's mesh
+        ``mini_moe.parallel.AXES`` (``("data", "expert")``: ``parallel.BATCH`` splits the batch over
+        both). The counts and probabilities are summed over them with ``psum``, so every device
+        gets the global-batch loss, and its gradient with respect to the device's part of the
+        batch is that part of the whole batch's gradient (take one device's loss, not the sum of
+        the copies, which would count it once per device). Naming only some of the axes gives a
+        partial sum. None outside ``shard_map``.
 
     Returns:
       Scalar, averaged over leading (group) axes.

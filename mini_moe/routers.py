@@ -222,9 +222,11 @@ class SigmoidGates(Affinity):
 
     Args:
       bias_rate: u, the bias update speed (DeepSeek-V3: 1e-3).
-      seq_balance: weight alpha of the complementary sequence-wise balance loss
-        (:func:`mini_moe.losses.sequence_balance_loss`, one sequence = one routing group;
-        DeepSeek-V3: 1e-4); 0 turns it off.
+      seq_balance: weight of the complementary sequence-wise balance loss
+        (:func:`mini_moe.losses.sequence_balance_loss`, one sequence = one routing group; its
+        f_i counts the top-k of the unbiased scores, V3's eq. 18) inside the router's auxiliary
+        loss, which training multiplies by ``aux_loss_weight`` (0.01 by default): DeepSeek-V3's
+        alpha = 1e-4 is ``seq_balance = 1e-4 / aux_loss_weight = 1e-2``; 0 turns it off.
       num_groups, top_groups: group-limited routing (DeepSeek-V2/V3): the E experts form
         ``num_groups`` equal groups (devices, in a deployment), a group scores the sum of its
         two highest biased scores (its highest when it holds one expert), each token keeps its
@@ -278,11 +280,17 @@ class SigmoidGates(Affinity):
         if not self.deterministic and self.bias_rate > 0:
             load = chosen.reshape(-1, self.num_experts).sum(0)  # picks per expert, whole batch
             self.bias[...] = self.bias[...] + self.bias_rate * jnp.sign(load.mean() - load)
-        balance = losses.sequence_balance_loss(scores, chosen)
+        # V3's eq. 18 counts f_i on the top-k of the unbiased scores (no bias, no groups), as
+        # Megatron's compute_routing_scores_for_aux_loss does; the bias only selects.
+        unbiased = jax.nn.one_hot(jax.lax.top_k(scores, budget.k)[1], self.num_experts, dtype=scores.dtype).sum(-2)
+        balance = losses.sequence_balance_loss(scores, unbiased)
         metrics = dict(sequence_balance_loss=balance, bias_spread=jnp.max(self.bias[...]) - jnp.min(self.bias[...]))
         # The allocation ranks the biased (group-limited) scores, which picks the same k experts,
-        # and takes its combine weights from the normalised gates.
-        return Affinities(jnp.where(jnp.isfinite(selection), selection, -1.0), combine=gates,
+        # and takes its combine weights from the normalised gates. The excluded experts get the
+        # lowest finite number, below any biased score however far the bias drifts (DeepSeek-V3's
+        # Gate masks them with -inf; a finite sentinel keeps the allocation's arithmetic finite).
+        sentinel = jnp.finfo(selection.dtype).min
+        return Affinities(jnp.where(jnp.isfinite(selection), selection, sentinel), combine=gates,
                           probs=scores / jnp.sum(scores, axis=-1, keepdims=True),
                           aux_loss=self.seq_balance * balance, metrics=metrics)
 

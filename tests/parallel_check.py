@@ -107,24 +107,38 @@ def check_training_runs_sharded(tmp):
 
 
 def check_global_batch_balance_loss():
-    """The global-batch Switch loss under shard_map, its counts psum-ed over the data axis, equals
-    the loss of the whole batch on one device (and differs from the per-group loss)."""
-    from jax.sharding import Mesh, PartitionSpec as P
+    """The global-batch Switch loss under shard_map on the library's own mesh (2 x 4, the batch
+    split over both axes as parallel.BATCH splits it), its sums psum-ed over every axis that splits
+    the batch (parallel.AXES), equals the loss of the whole batch on one device, value and
+    gradient. With the data axis alone it is a partial sum (issue 35, review item 12)."""
+    from jax.sharding import PartitionSpec as P
 
     from mini_moe import losses
 
-    mesh = Mesh(np.asarray(jax.devices()[:8]), ("data",))
+    mesh = parallel.make_mesh(2, 4)
     # 8 groups of 16 tokens; group g sends most of its tokens to expert g % 4: unbalanced per
     # group, nearly balanced over the batch
     logits = jax.random.normal(jax.random.key(0), (8, 16, 4)) + 3.0 * jax.nn.one_hot(jnp.arange(8) % 4, 4)[:, None]
-    probs = jax.nn.softmax(logits, -1)
+
+    def sharded(axis_name, k):
+        def per_device(z):
+            value, grad = jax.value_and_grad(
+                lambda z: losses.switch_loss(jax.nn.softmax(z, -1), k=k, scope="batch", axis_name=axis_name))(z)
+            return value[None], grad
+        return jax.shard_map(per_device, mesh=mesh, in_specs=parallel.BATCH,
+                             out_specs=(P(parallel.AXES), parallel.BATCH))(logits)
+
     for k in (1, 2):
-        local = jax.shard_map(lambda p: losses.switch_loss(p, k=k, scope="batch", axis_name="data")[None],
-                              mesh=mesh, in_specs=P("data"), out_specs=P("data"))(probs)
-        whole = losses.switch_loss(probs, k=k, scope="batch")
-        np.testing.assert_allclose(np.asarray(local), float(whole), rtol=1e-6)  # every device: the global loss
-        assert float(losses.switch_loss(probs, k=k, scope="group")) > float(whole) + 0.5
-    print("global-batch balance loss under shard_map: ok")
+        value, grad = jax.value_and_grad(lambda z: losses.switch_loss(jax.nn.softmax(z, -1), k=k, scope="batch"))(logits)
+        local, local_grad = sharded(parallel.AXES, k)
+        np.testing.assert_allclose(np.asarray(local), float(value), rtol=1e-6)  # every device: the global loss
+        # each device's gradient of the (replicated) global loss with respect to its own part of the
+        # batch: together, the gradient of the whole batch's loss
+        np.testing.assert_allclose(np.asarray(local_grad), np.asarray(grad), rtol=1e-5, atol=1e-8)
+        partial, _ = sharded("data", k)
+        assert np.max(np.abs(np.asarray(partial) - float(value))) > 0.05, (partial, float(value))
+        assert float(losses.switch_loss(jax.nn.softmax(logits, -1), k=k, scope="group")) > float(value) + 0.5
+    print("global-batch balance loss under shard_map: value and gradient ok")
 
 
 def check_errors():

@@ -28,7 +28,7 @@ def _reference(router, x, k, num_groups=1, top_groups=1):
     s + b, the top_groups kept; top-k of s + b inside them; gates s / sum of the chosen s."""
     s = _sigmoid(x @ np.asarray(router.affinity.dense.kernel[...], np.float64))  # [G, T, E]
     biased = s + np.asarray(router.affinity.bias[...], np.float64)
-    size = E // num_groups
+    size = router.num_experts // num_groups
     allowed = np.ones_like(biased, bool)
     if num_groups > 1:
         grouped = np.sort(biased.reshape(*biased.shape[:-1], num_groups, size), -1)[..., -min(2, size):].sum(-1)
@@ -62,6 +62,30 @@ def test_gates_are_normalised_unbiased_sigmoid_scores_of_the_biased_top_k(name, 
     if num_groups > 1:  # every token's experts lie in at most top_groups groups
         used = chosen.reshape(G, T, num_groups, E // num_groups).any(-1).sum(-1)
         assert used.max() <= top_groups
+
+
+@pytest.mark.parametrize("bias_mean", [-1.5, 0.0, 3.0])
+def test_group_limited_routing_equals_deepseek_v3s_gate_whatever_the_level_of_the_bias(bias_mean):
+    """Issue 35 (review 2026-11-25, item 8): the experts outside a token's kept groups were filled
+    with -1.0 for the allocation's top-k, so once the bias drifted below -1 (the sign update is not
+    zero-sum: the level of b drifts) an allowed expert ranked below the excluded ones, and the token
+    went to an excluded expert with gate 0 (15 of 256 tokens in the review's check, combine sums
+    down to 0.77). DeepSeek-V3's ``Gate`` masks them with -inf; so must we, at any bias level."""
+    experts, tokens = 16, 128
+    router = mm.make_router("group_limited", D, experts, k=4, capacity_factor=float(experts), num_groups=4,
+                            top_groups=2, rngs=nnx.Rngs(0))
+    bias = np.random.default_rng(2).normal(bias_mean, 0.1, size=experts)
+    router.affinity.bias[...] = jnp.asarray(bias, jnp.float32)
+    router.eval()
+    x = _x(3, (G, tokens, D))
+    out = router(x)
+    _, chosen, gates = _reference(router, x, 4, 4, 2)
+    np.testing.assert_array_equal(np.asarray(out.routing.dispatch).sum(-1), chosen)
+    np.testing.assert_allclose(np.asarray(out.routing.combine).sum(-1), gates, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out.routing.combine).sum((-1, -2)), 1.0, rtol=1e-5)
+    # the load the metric reads is the load of the picks made
+    load = chosen.reshape(-1, experts).sum(0)
+    np.testing.assert_allclose(float(out.metrics["max_violation"]), load.max() / load.mean() - 1, rtol=1e-5)
 
 
 def test_bias_moves_overloaded_experts_down_and_only_in_training():
@@ -126,6 +150,28 @@ def test_sequence_balance_loss_by_hand():
     assert got == pytest.approx(expected, rel=1e-5)
     picks = np.stack([np.eye(E), np.roll(np.eye(E), 1, 1)]).sum(0)[None]  # each token 2 picks, uniform load
     assert float(losses.sequence_balance_loss(jnp.ones((1, E, E)), jnp.asarray(picks))) == pytest.approx(1.0)
+
+
+def test_the_routers_sequence_balance_counts_the_unbiased_top_k():
+    """Issue 35 (review item 11): V3's eq. 18 counts f_i on Topk(s_t, K_r), the unbiased scores;
+    the bias (and the group limit) only select. A bias large enough to change the picks must not
+    change the loss."""
+    router = mm.make_router("sigmoid_loss_free", D, E, k=2, seq_balance=1.0, rngs=nnx.Rngs(0))
+    x = _x()
+    router.eval()
+    plain = float(router(x).metrics["sequence_balance_loss"])
+    router.affinity.bias[...] = jnp.asarray(np.linspace(-3.0, 3.0, E), jnp.float32)  # other picks
+    out = router(x)
+    s, chosen, _ = _reference(router, x, 2)
+    unbiased = np.zeros_like(s)
+    np.put_along_axis(unbiased, np.argsort(-s, -1)[..., :2], 1.0, -1)
+    assert np.any(unbiased != chosen)  # the bias did change the picks
+    p = (s / s.sum(-1, keepdims=True)).mean(-2)
+    expected = (E / (2 * T) * unbiased.sum(-2) * p).sum(-1).mean()
+    biased = (E / (2 * T) * chosen.sum(-2) * p).sum(-1).mean()
+    assert float(out.metrics["sequence_balance_loss"]) == pytest.approx(expected, rel=1e-5) == pytest.approx(plain)
+    assert abs(expected - biased) > 1e-3
+    assert float(out.aux_loss) == pytest.approx(expected, rel=1e-5)  # seq_balance = 1: the loss itself
 
 
 def test_global_batch_balance_counts_the_whole_batch():
