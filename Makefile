@@ -145,7 +145,8 @@ chromium:
 	  || $(SUDO) apt-get install -y chromium || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }; fi
 
 # Opens the built book (_build/html, from `make book` or `make nbval-book`) in headless Chromium
-# without network: the introduction and every chapter page, equations typeset, figures loaded.
+# without network: the introduction, every chapter page and the back matter, equations typeset,
+# figures loaded.
 browser-check: venv data chromium
 	$(PY) .ci/browser_check.py --html _build/html
 

@@ -3,12 +3,12 @@
 The book is a web page and is tested like one (DESIGN.md §5): every equation must be typeset
 by the math renderer that ships inside the build (no CDN), and every figure must load.
 
-    python .ci/browser_check.py                          # the book in _build/html: intro + every chapter
+    python .ci/browser_check.py                          # _build/html: intro, every chapter, back matter
     python .ci/browser_check.py --html _build/html book/01_unified_formulation.html ...
 
 It checks a book that is already built (`make book`, or `make nbval-book` as `make test` does):
-by default the introduction and every chapter page (``book/NN_topic.html``), so at least one page of
-each part of the book. :data:`PROBE_PAGE` is a chapter whose code cells emit LaTeX outputs
+by default the introduction, every chapter page (``book/NN_topic.html``) and the back matter (API
+reference, references), so every part of the book. :data:`PROBE_PAGE` is a chapter whose code cells emit LaTeX outputs
 (``display(Math(...))``, ``glue``); CI's self-check (.ci/book_selfcheck.py) builds it into a
 throw-away book and checks it here, so that typesetting of cell outputs stays tested.
 
@@ -352,8 +352,9 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pages", nargs="*", help="pages relative to --html (default: book/intro.html and every "
-                        "chapter page found); a chapter page (book/NN_topic.html) must show an equation and a figure")
+    parser.add_argument("pages", nargs="*", help="pages relative to --html (default: book/intro.html, every "
+                        "chapter page found, book/api.html and book/references.html); a chapter page "
+                        "(book/NN_topic.html) must show an equation and a figure")
     parser.add_argument("--html", type=Path, default=ROOT / "_build" / "html",
                         help="a built book (default: _build/html, from `make book` or `make nbval-book`)")
     parser.add_argument("--screenshots", type=Path, help="save a full-page PNG of each page here")
@@ -365,7 +366,8 @@ def main(argv=None) -> int:
                  "`make nbval-book`) first, or pass --html")
     chromium = find_chromium()
     pages = args.pages or ["book/intro.html"] + sorted(p.relative_to(html).as_posix()
-                                                        for p in html.glob("book/[0-9][0-9]_*.html"))
+                                                        for p in html.glob("book/[0-9][0-9]_*.html")) + [
+        p for p in ("book/api.html", "book/references.html") if (html / p).exists()]  # the back matter
     chapters = [p for p in pages if re.fullmatch(r"book/\d\d_\w+\.html", p)]
     missing = [p for p in pages if not (html / p).exists()]
     if missing:

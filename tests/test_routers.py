@@ -27,6 +27,7 @@ def test_registry_has_every_router_of_the_papers():
         "sinkhorn_expert_choice", "sparsity_constrained_expert_choice", "soft_moe", "svmoe",
         "sigmoid_loss_free", "group_limited",  # DeepSeek-V3 (issue 26)
         "remoe",  # ReLU routing (issue 26)
+        "hash",  # a routing control: nothing learned (issue 34)
     }
     with pytest.raises(ValueError, match="Unknown router 'topk'.*softmax_token_choice"):
         mm.make_router("topk", D, E, rngs=nnx.Rngs(0))
@@ -55,7 +56,10 @@ def test_every_router_routes_trains_and_jits(name):
     leaves = jax.tree.leaves(nnx.state(grads))
     assert leaves and all(np.all(np.isfinite(g)) for g in leaves)
     router_grad = sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(nnx.state(grads[0])))
-    assert router_grad > 0  # the router learns through the combine weights
+    if name == "hash":  # the control: no parameter, nothing to learn
+        assert not jax.tree.leaves(nnx.state(router, nnx.Param)) and router_grad == 0
+    else:
+        assert router_grad > 0  # the router learns through the combine weights
 
     router.eval()  # jit and eager agree (no noise in eval mode)
     eager = router(x)
@@ -299,6 +303,7 @@ def test_registered_routers_are_named_compositions():
         "soft_moe": (routers.SlotLogits, routers.SoftRouting),
         "sigmoid_loss_free": (routers.SigmoidGates, routers.TokenChoice),
         "group_limited": (routers.SigmoidGates, routers.TokenChoice),
+        "hash": (routers.HashProjection, routers.TokenChoice),
     }
     for name, (affinity, allocation) in table.items():
         router = _make(name)
