@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e '.[test,book,dev]'
 	touch $(STAMP)
 
-# The book build: `make book` and `make test` run this one command (tests/test_readme_commands.py
+# The book build: `make book` and `make test` run this one command (tests/test_ci_book.py
 # checks that they do and that the README names them). -W -n --keep-going: any warning (a glue key
 # defined twice or never, a broken reference, a missing figure) fails the build after listing all.
 BOOK_BUILD = $(VENV)/bin/jupyter-book build . -W -n --keep-going
