@@ -51,7 +51,6 @@ class _Recorder:
         self.out, self.root = out, root
         self.cells: dict[Path, dict[int, list]] = {}   # notebook -> code cell number -> outputs
         self.failed: set[Path] = set()
-        self.notebooks: dict[Path, object] = {}        # notebook -> nbval's IPyNbFile
         self.written: list[Path] = []
 
     @pytest.hookimpl(hookwrapper=True)
@@ -61,7 +60,6 @@ class _Recorder:
             return  # not an nbval cell
         report = outcome.get_result()
         path = Path(str(item.parent.fspath))
-        self.notebooks[path] = item.parent
         if report.failed or report.skipped:
             self.failed.add(path)
         elif call.when == "call":
