@@ -40,16 +40,25 @@ _DATASET_SHAPES = {
     "patch_vote": dict(image_size=28, channels=1, num_classes=10, patch={"quick": 7, "full": 7},
                        model={"quick": _PATCH_VOTE_MODEL, "full": _PATCH_VOTE_MODEL},
                        train={"quick": dict(steps=2000), "full": dict(steps=2000)}),
+    # subtask_vote (issue 34): the routing task, with patch_vote's model so the two tasks compare.
+    "subtask_vote": dict(image_size=28, channels=1, num_classes=10, patch={"quick": 7, "full": 7},
+                         model={"quick": _PATCH_VOTE_MODEL, "full": _PATCH_VOTE_MODEL},
+                         train={"quick": dict(steps=2000), "full": dict(steps=2000)}),
 }
 
 
 def dataset_shape(dataset: str) -> dict:
     """The geometry and configuration changes of ``dataset`` (``"patch_vote_v<V>"`` shares
-    ``"patch_vote"``'s); a clear error for an unknown name."""
-    key = "patch_vote" if data_lib.patch_vote_options(dataset) is not None else dataset
+    ``"patch_vote"``'s, ``"subtask_vote_d<d>_h<h>"`` ``"subtask_vote"``'s); a clear error for an
+    unknown name."""
+    key = dataset
+    if data_lib.patch_vote_options(dataset) is not None:
+        key = "patch_vote"
+    elif data_lib.subtask_vote_options(dataset) is not None:
+        key = "subtask_vote"
     if key not in _DATASET_SHAPES:
         raise InputError(f"Unknown dataset {dataset!r}; expected one of: {', '.join(_DATASET_SHAPES)} "
-                         "(or patch_vote_v<V>).")
+                         "(or patch_vote_v<V>, subtask_vote_d<d>_h<h>).")
     return dict(_DATASET_SHAPES[key])
 
 _MODEL_SCALE = {

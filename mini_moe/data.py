@@ -18,6 +18,9 @@ Datasets (:func:`load`), in the order "works offline first" (DESIGN.md, Section 
   ``"patch_vote_v<V>"`` (e.g. ``"patch_vote_v512"``) is the same task with a vocabulary of
   V patches instead of 4096; the names in :data:`DATASETS` are the ones the command line
   offers, :func:`load` accepts any V >= 10.
+* ``"subtask_vote"`` — 28x28x1, 60000 / 10000, synthetic (:func:`subtask_vote`): a task whose
+  right routing is known (every patch belongs to one of 8 sub-tasks, each with its own
+  function). ``"subtask_vote_d<d>_h<h>"`` sets the content dimension and the teachers' width.
 
 Every :class:`Dataset` holds ``images`` as ``float32 [N, H, W, C]`` in ``[0, 1]`` and
 ``labels`` as ``int32 [N]``.
@@ -45,14 +48,16 @@ import numpy as np
 from mini_moe.validate import DataNotFoundError, InputError, MissingPackageError
 
 __all__ = [
-    "DATASETS", "Dataset", "load", "read_idx", "normalize", "batches", "num_batches",
+    "DATASETS", "Dataset", "load", "validation_split", "read_idx", "normalize", "batches", "num_batches",
     "patch_vote", "patch_vote_vocabulary", "patch_vote_options", "patch_vote_patch_values",
+    "subtask_vote", "subtask_vote_options", "subtask_vote_tasks", "subtask_vote_teacher", "SubtaskVoteTeacher",
 ]
 
 #: The datasets :func:`load` knows (and the command line offers). :func:`load` also accepts
-#: ``"patch_vote_v<V>"`` for any vocabulary size V >= 10 (:func:`patch_vote_options`).
+#: ``"patch_vote_v<V>"`` for any vocabulary size V >= 10 (:func:`patch_vote_options`) and
+#: ``"subtask_vote_d<d>_h<h>"`` for any content dimension and teacher width (:func:`subtask_vote_options`).
 DATASETS = ("digits", "fashion_mnist", "cifar10", "cifar100",
-            "patch_vote", "patch_vote_v512", "patch_vote_v1024", "patch_vote_v16384")
+            "patch_vote", "patch_vote_v512", "patch_vote_v1024", "patch_vote_v16384", "subtask_vote")
 SPLITS = ("train", "test")
 
 #: Where Debian's package ``dataset-fashion-mnist`` installs the four ``.gz`` IDX files.
@@ -136,13 +141,14 @@ def load(name: str, split: str = "train", *, data_dir: str | os.PathLike | None 
 
     Args:
       name: one of :data:`DATASETS`, or ``"patch_vote_v<V>"`` (:func:`patch_vote` with
-        ``vocab_size=V``; ``"patch_vote"`` is V = 4096).
+        ``vocab_size=V``; ``"patch_vote"`` is V = 4096), or ``"subtask_vote_d<d>_h<h>"``
+        (:func:`subtask_vote` with ``content=d, teacher=h``).
       split: ``"train"`` or ``"test"``.
       data_dir: for ``"fashion_mnist"``, a folder with the four IDX files (plain or
         ``.gz``); if they are not there, it is used as the tensorflow-datasets
         ``data_dir``. For ``"cifar10"`` / ``"cifar100"``, the tensorflow-datasets
         ``data_dir`` (default ``~/tensorflow_datasets`` or ``$TFDS_DATA_DIR``).
-        Ignored for ``"digits"`` and ``"patch_vote"``.
+        Ignored for ``"digits"`` and the synthetic tasks.
 
     Returns:
       A :class:`Dataset` with ``float32 [N, H, W, C]`` images in ``[0, 1]`` and
@@ -154,13 +160,16 @@ def load(name: str, split: str = "train", *, data_dir: str | os.PathLike | None 
       ImportError: CIFAR needs tensorflow-datasets, which is not installed.
     """
     vote = patch_vote_options(name) if isinstance(name, str) else None
-    if name not in DATASETS and vote is None:
-        raise InputError(f"unknown dataset name {name!r}; expected one of {DATASETS} "
-                         "or 'patch_vote_v<V>' (V >= 10: the vocabulary size)")
+    routed = subtask_vote_options(name) if isinstance(name, str) else None
+    if name not in DATASETS and vote is None and routed is None:
+        raise InputError(f"unknown dataset name {name!r}; expected one of {DATASETS}, "
+                         "'patch_vote_v<V>' (V >= 10: the vocabulary size) or 'subtask_vote_d<d>_h<h>'")
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}; expected 'train' or 'test'")
     if vote is not None:
         return dataclasses.replace(patch_vote(split, **vote), name=name)
+    if routed is not None:
+        return dataclasses.replace(subtask_vote(split, **routed), name=name)
     if name == "digits":
         images, labels = _load_digits(split)
     elif name == "fashion_mnist":
@@ -329,7 +338,7 @@ def patch_vote_options(name: str) -> dict | None:
 
 def _check_option(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise InputError(f"patch_vote: {name} must be an integer >= {low}, got {value!r}.")
+        raise InputError(f"{name} must be an integer >= {low}, got {value!r}.")
     return int(value)
 
 
@@ -434,20 +443,7 @@ def _patch_vote_split(vocab_size: int, count: int, seed: int, stream: int
     """``count`` images and labels of the random stream ``stream`` (1: train, 2: test)."""
     patches, values = patch_vote_vocabulary(vocab_size, seed)
     rng = np.random.default_rng((seed, stream))
-    labels = rng.integers(0, 10, size=count)
-    # The 10 other values: uniform over the 9 values != label, redrawn while one is too common.
-    others = np.empty((count, 16 - PATCH_VOTE_VOTES), np.int64)
-    todo = np.arange(count)
-    while todo.size:
-        draw = rng.integers(0, 9, size=(todo.size, others.shape[1]))
-        draw += draw >= labels[todo, None]  # skip the label's value
-        most = (draw[..., None] == np.arange(10)).sum(axis=1).max(axis=1)
-        ok = most <= PATCH_VOTE_MAX_OTHER
-        others[todo[ok]] = draw[ok]
-        todo = todo[~ok]
-    cell_values = np.concatenate([np.repeat(labels[:, None], PATCH_VOTE_VOTES, axis=1), others], axis=1)
-    shuffle = np.argsort(rng.random(cell_values.shape), axis=1)  # a random order of the 16 patches
-    cell_values = np.take_along_axis(cell_values, shuffle, axis=1)
+    labels, cell_values = _vote_values(rng, count)
     # Each patch uniform among the vocabulary patches of its value.
     by_value = np.argsort(values, kind="stable")
     sizes = np.bincount(values, minlength=10)
@@ -463,9 +459,222 @@ def _patch_vote_split(vocab_size: int, count: int, seed: int, stream: int
     return images, labels
 
 
+def _vote_values(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` labels ``[N]`` uniform in 0..9 and the values ``[N, 16]`` of the 16 patches of
+    each image, in a random order: 6 patches with the label's value, the 10 others uniform over
+    the 9 other values, drawn again while one of them appears more than 3 times."""
+    labels = rng.integers(0, 10, size=count)
+    others = np.empty((count, 16 - PATCH_VOTE_VOTES), np.int64)
+    todo = np.arange(count)
+    while todo.size:
+        draw = rng.integers(0, 9, size=(todo.size, others.shape[1]))
+        draw += draw >= labels[todo, None]  # skip the label's value
+        most = (draw[..., None] == np.arange(10)).sum(axis=1).max(axis=1)
+        ok = most <= PATCH_VOTE_MAX_OTHER
+        others[todo[ok]] = draw[ok]
+        todo = todo[~ok]
+    cell_values = np.concatenate([np.repeat(labels[:, None], PATCH_VOTE_VOTES, axis=1), others], axis=1)
+    shuffle = np.argsort(rng.random(cell_values.shape), axis=1)  # a random order of the 16 patches
+    return labels, np.take_along_axis(cell_values, shuffle, axis=1)
+
+
+# --------------------------------------------------------------------------------------
+# subtask_vote: a synthetic task with a known right routing
+# --------------------------------------------------------------------------------------
+
+SUBTASK_VOTE_TASKS = 8  # K sub-tasks (the quick model's E experts)
+SUBTASK_VOTE_CONTENT = 4  # d, the dimension of a patch's content
+SUBTASK_VOTE_TEACHER = 16  # h, the width of each sub-task's teacher MLP
+SUBTASK_VOTE_SEPARATION = 4.0  # the norm of a sub-task's signature, in content standard deviations
+_SUBTASK_VOTE_NAME = re.compile(r"subtask_vote(?:_d([0-9]+))?(?:_h([0-9]+))?")
+
+
+def subtask_vote_options(name: str) -> dict | None:
+    """The :func:`subtask_vote` options a dataset name stands for: ``{}`` for ``"subtask_vote"``,
+    ``{"content": d, "teacher": h}`` (either may be absent) for ``"subtask_vote_d<d>_h<h>"``,
+    ``"subtask_vote_d<d>"`` or ``"subtask_vote_h<h>"``; None for any other name."""
+    match = _SUBTASK_VOTE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    return {key: int(text) for key, text in zip(("content", "teacher"), match.groups()) if text is not None}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SubtaskVoteTeacher:
+    """The fixed parts of :func:`subtask_vote`, drawn from ``seed`` alone.
+
+    Attributes:
+      signatures: ``float32 [K, 49]``, sub-task k's pattern ``separation * q_k``;
+      content_basis: ``float32 [d, 49]``, the rows ``q_{K}, ..., q_{K+d-1}`` that carry a patch's
+        content (``q`` an orthonormal basis of the 49 pixels, so signatures and content never mix);
+      w1 ``[K, d, h]``, b1 ``[K, h]``, w2 ``[K, h]``: teacher k is
+        ``f_k(z) = gelu(z @ w1[k] + b1[k]) @ w2[k]``;
+      deciles: ``[K, 9]``, the deciles of ``f_k(z)`` for ``z ~ N(0, I_d)`` (from 200,000 draws),
+        so that every value 0..9 is equally likely within each sub-task.
+    """
+
+    signatures: np.ndarray
+    content_basis: np.ndarray
+    w1: np.ndarray
+    b1: np.ndarray
+    w2: np.ndarray
+    deciles: np.ndarray
+
+    def values(self, task: int, content: np.ndarray) -> np.ndarray:
+        """The value (0..9) of contents ``[n, d]`` under sub-task ``task``: ``int64 [n]``."""
+        f = _np_gelu(content @ self.w1[task] + self.b1[task]) @ self.w2[task]
+        return np.searchsorted(self.deciles[task], f)
+
+    def pixels(self, task: np.ndarray, content: np.ndarray) -> np.ndarray:
+        """The 7x7 patches ``float32 [..., 7, 7]`` in [0, 1] of sub-tasks ``[...]`` and contents
+        ``[..., d]``: ``clip(0.5 + (signature + content @ basis) / 8, 0, 1)``."""
+        x = self.signatures[task] + content @ self.content_basis
+        x = np.clip(0.5 + x / 8.0, 0.0, 1.0).astype(np.float32)
+        return x.reshape(*task.shape, PATCH_VOTE_PATCH, PATCH_VOTE_PATCH)
+
+
+def _np_gelu(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh form (``jax.nn.gelu``'s default)."""
+    return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
+
+
+@functools.lru_cache(maxsize=4)
+def subtask_vote_teacher(content: int = SUBTASK_VOTE_CONTENT, teacher: int = SUBTASK_VOTE_TEACHER,
+                         seed: int = 0) -> SubtaskVoteTeacher:
+    """The signatures, content basis and teacher MLPs of :func:`subtask_vote`
+    (:class:`SubtaskVoteTeacher`), the same for every call with these arguments."""
+    tasks, pixels = SUBTASK_VOTE_TASKS, PATCH_VOTE_PATCH**2
+    content = _check_option("content", content, 1)
+    teacher = _check_option("teacher", teacher, 1)
+    seed = _check_option("seed", seed, 0)
+    if tasks + content > pixels:
+        raise InputError(f"subtask_vote: content must be <= {pixels - tasks} (a 7x7 patch holds "
+                         f"{tasks} signatures and the content), got {content}.")
+    rng = np.random.default_rng((seed, 0, content, teacher))
+    basis = np.linalg.qr(rng.standard_normal((pixels, pixels)))[0].T  # orthonormal rows
+    w1 = rng.standard_normal((tasks, content, teacher)) * 2.0 / math.sqrt(content)
+    b1 = rng.standard_normal((tasks, teacher)) * 0.5
+    w2 = rng.standard_normal((tasks, teacher)) / math.sqrt(teacher)
+    probe = rng.standard_normal((200_000, content))
+    f = _np_gelu(probe @ w1 + b1[:, None]) @ w2[..., None]  # [K, n, 1]
+    deciles = np.quantile(f[..., 0], np.arange(1, 10) / 10, axis=1).T  # [K, 9]
+    return SubtaskVoteTeacher(signatures=SUBTASK_VOTE_SEPARATION * basis[:tasks],
+                              content_basis=basis[tasks:tasks + content], w1=w1, b1=b1, w2=w2,
+                              deciles=deciles)
+
+
+def subtask_vote(split: str = "train", *, content: int = SUBTASK_VOTE_CONTENT,
+                 teacher: int = SUBTASK_VOTE_TEACHER, num_train: int = 60000, num_test: int = 10000,
+                 seed: int = 0) -> Dataset:
+    """A synthetic 10-class image task whose right routing is known: chapter 9's sub-tasks
+    in pixels.
+
+    Each 28x28x1 image is a 4x4 grid of 7x7 patches, and each patch belongs to one of K = 8
+    sub-tasks. A patch shows two things, on orthogonal directions of its 49 pixels
+    (:class:`SubtaskVoteTeacher`): its sub-task's **signature**, a fixed random pattern
+    (so a linear router can tell the sub-tasks apart), and a **content** ``z``, a fresh
+    ``d``-dimensional Gaussian vector. Its **value** (0..9) is sub-task k's function of the
+    content: the decile of ``f_k(z)``, where ``f_k`` is a random GELU MLP ``d -> h -> 1``, a
+    different one per sub-task. The label is the value shared by exactly 6 of the 16 patches,
+    as in :func:`patch_vote`: the 10 others have other values, none more than 3 times. Per
+    image: the label uniform in 0..9, the values of the 16 patches as in :func:`patch_vote`,
+    each patch's sub-task uniform in 0..K-1, and its content drawn from ``N(0, I_d)``
+    conditioned on the patch's value under its sub-task.
+
+    What it tests: the contents are new in every image (no table can be memorised), so a
+    model must compute each patch's value from its content with the right one of K unrelated
+    functions. One expert MLP can learn one ``f_k``; one MLP of the same width, the dense
+    layer of equal activated FLOPs, has to hold all K. The **right routing** sends every patch
+    of sub-task k to one expert, a different expert per sub-task: a router can learn it from
+    the signatures, a frozen or hashing router does not. :func:`subtask_vote_tasks` gives the
+    sub-task of every patch, to measure routing against it
+    (:func:`mini_moe.evaluate.routing_accuracy`).
+
+    Deterministic: the teacher depends on ``(content, teacher, seed)``, each split on those
+    and its own size; a split is generated once per process (``functools.lru_cache``) and held
+    as read-only arrays.
+
+    Args:
+      split: ``"train"`` or ``"test"``.
+      content: d >= 1 (at most 41), the content's dimension.
+      teacher: h >= 1, the width of every teacher MLP (the pilot of issue 34 calibrates it
+        against the experts' width).
+      num_train, num_test: images per split (>= 1).
+      seed: the seed of the teacher and of the images (>= 0).
+
+    Returns:
+      A :class:`Dataset`: ``float32 [N, 28, 28, 1]`` images in ``[0, 1]`` and ``int32 [N]``
+      labels; ``name="subtask_vote"``.
+    """
+    if split not in SPLITS:
+        raise InputError(f"subtask_vote: unknown split {split!r}; expected 'train' or 'test'")
+    counts = {"train": _check_option("num_train", num_train, 1), "test": _check_option("num_test", num_test, 1)}
+    images, labels, _, _ = _subtask_vote_split(content, teacher, counts[split], seed, SPLITS.index(split) + 1)
+    return Dataset(images=images, labels=labels, num_classes=10, name="subtask_vote", split=split)
+
+
+def subtask_vote_tasks(split: str = "train", *, content: int = SUBTASK_VOTE_CONTENT,
+                       teacher: int = SUBTASK_VOTE_TEACHER, num_train: int = 60000, num_test: int = 10000,
+                       seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The sub-task and the value of every patch of :func:`subtask_vote`'s split with the same
+    arguments: ``(tasks int32 [N, 16], values int32 [N, 16])``, patches in row-major grid order."""
+    if split not in SPLITS:
+        raise InputError(f"subtask_vote: unknown split {split!r}; expected 'train' or 'test'")
+    count = {"train": num_train, "test": num_test}[split]
+    _check_option("num_" + split, count, 1)
+    _, _, tasks, values = _subtask_vote_split(content, teacher, count, seed, SPLITS.index(split) + 1)
+    return tasks, values
+
+
+@functools.lru_cache(maxsize=4)
+def _subtask_vote_split(content: int, teacher: int, count: int, seed: int, stream: int):
+    """``(images, labels, tasks, values)`` of the random stream ``stream`` (1: train, 2: test)."""
+    model = subtask_vote_teacher(content, teacher, seed)
+    rng = np.random.default_rng((seed, stream, content, teacher))
+    labels, values = _vote_values(rng, count)
+    tasks = rng.integers(0, SUBTASK_VOTE_TASKS, size=values.shape)
+    z = np.empty(values.shape + (content,))
+    for k in range(SUBTASK_VOTE_TASKS):  # contents by rejection: draw, keep those of a needed value
+        mine = tasks == k
+        wanted = values[mine]
+        need = np.bincount(wanted, minlength=10)
+        found = [np.empty((0, content)) for _ in range(10)]
+        while any(len(f) < n for f, n in zip(found, need)):
+            draw = rng.standard_normal((int(need.max()) * 12 + 100, content))
+            drawn = model.values(k, draw)
+            found = [np.concatenate([f, draw[drawn == v][: max(n - len(f), 0)]])
+                     for v, (f, n) in enumerate(zip(found, need))]
+        out = np.empty((wanted.size, content))
+        for v in range(10):
+            out[wanted == v] = found[v]
+        z[mine] = out
+    g, p = PATCH_VOTE_GRID, PATCH_VOTE_PATCH
+    images = model.pixels(tasks, z).reshape(count, g, g, p, p).transpose(0, 1, 3, 2, 4)
+    images = np.ascontiguousarray(images.reshape(count, g * p, g * p, 1))
+    out = (images, labels.astype(np.int32), tasks.astype(np.int32), values.astype(np.int32))
+    for array in out:
+        array.flags.writeable = False
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # Normalisation and batches
 # --------------------------------------------------------------------------------------
+
+
+def validation_split(dataset: Dataset, num_validation: int, *, seed: int = 0) -> tuple[Dataset, Dataset]:
+    """Carves ``num_validation`` images out of a training set: ``(train, validation)``, the
+    validation images a random subset fixed by ``seed`` (not a run's seed, so every run of a
+    study holds out the same images), both in their original order. Choices (a learning rate,
+    a stopping step) are made on the validation split, so the test split stays unseen."""
+    num_validation = _check_option("num_validation", num_validation, 1)
+    if num_validation >= len(dataset):
+        raise InputError(f"num_validation must be < {len(dataset)} (the training images), got {num_validation}.")
+    held = np.zeros(len(dataset), bool)
+    held[np.random.default_rng((seed, 7)).choice(len(dataset), num_validation, replace=False)] = True
+    part = lambda mask, split: dataclasses.replace(dataset, images=dataset.images[mask], labels=dataset.labels[mask],
+                                                   split=split)
+    return part(~held, dataset.split), part(held, "validation")
 
 
 def normalize(images: np.ndarray, mean: np.ndarray | None = None,

@@ -232,6 +232,68 @@ def perturbation_path(model, image: np.ndarray, companions: np.ndarray, directio
     return {"probs": probs, "changes": changes, "alphas": alphas}
 
 
+def assignment_counts(weight: np.ndarray, hits: np.ndarray, task: np.ndarray, num_tasks: int) -> np.ndarray:
+    """``[K, E]``: how many tokens of each sub-task have each expert as their *main expert*, the
+    processing expert with the largest combine weight. ``weight, hits [..., E]`` (combine weight
+    summed over slots; whether the expert processes the token), ``task [...]``; unprocessed
+    tokens count nowhere."""
+    processed = hits.any(-1)
+    main = np.where(hits, weight, -np.inf).argmax(-1)
+    counts = np.zeros((num_tasks, weight.shape[-1]), np.int64)
+    np.add.at(counts, (task[processed], main[processed]), 1)
+    return counts
+
+
+def routing_accuracy(model, images: np.ndarray, tasks: np.ndarray, *, batch_size: int = 400) -> list[dict]:
+    """How close each MoE layer's routing is to a known right routing, one sub-task per expert.
+
+    ``tasks`` ``int [N, P]`` is the sub-task of every patch (e.g.
+    :func:`mini_moe.data.subtask_vote_tasks`). A patch's main expert is the processing expert
+    with the largest combine weight (:func:`assignment_counts`; none if no expert processes it),
+    for every allocation: Token Choice's top-1 when it was kept, the expert that gives it the
+    most weight under Expert Choice. Sub-tasks are matched one-to-one to experts by the
+    Hungarian algorithm on the ``[K, E]`` counts, the matching that agrees with the most
+    patches, as chapter 9 does (:func:`mini_moe.subtasks.evaluate_layer`). Per MoE layer:
+
+    * ``routing_accuracy``: the fraction of all patches whose main expert is their sub-task's
+      matched expert (an unprocessed patch counts as wrong);
+    * ``purity``: the fraction of processed patches whose main expert is the most common main
+      expert of their sub-task (1 when each sub-task goes to one expert, even if several share one);
+    * ``unprocessed``: the fraction of patches no expert processes;
+    * ``counts``: the ``[K, E]`` matrix, as nested lists.
+
+    Soft MoE mixes every token into every slot, so it has no main expert; use
+    :func:`dispatch_mass` for it.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    cfg = model.cfg
+    tasks = np.asarray(tasks)
+    if tasks.shape != (len(images), cfg.num_patches):
+        raise InputError(f"tasks must be [N, P] = [{len(images)}, {cfg.num_patches}], got {tasks.shape}.")
+    num_tasks = int(tasks.max()) + 1
+    layers = None
+    with eval_mode(model):
+        for batch, n in _padded_batches(model, images, batch_size):
+            out = _forward(model, batch, return_routing=True)
+            per_layer = []
+            for rt in out.routings:
+                weight = np.asarray(rt.combine, np.float32).sum(-1).reshape(-1, cfg.num_patches, cfg.routed_experts)
+                hits = (np.asarray(rt.dispatch) > 0).any(-1).reshape(weight.shape)
+                per_layer.append((weight[:n], hits[:n]))
+            layers = [[x] for x in per_layer] if layers is None else [a + [x] for a, x in zip(layers, per_layer)]
+    result = []
+    for acc in layers or []:
+        weight, hits = np.concatenate([w for w, _ in acc]), np.concatenate([h for _, h in acc])
+        counts = assignment_counts(weight, hits, tasks, num_tasks)
+        rows, cols = linear_sum_assignment(-counts)
+        processed = max(int(counts.sum()), 1)
+        result.append({"routing_accuracy": float(counts[rows, cols].sum() / tasks.size),
+                       "purity": float(counts.max(1).sum() / processed),
+                       "unprocessed": float(1 - counts.sum() / tasks.size), "counts": counts.tolist()})
+    return result
+
+
 def group_routing(model, images: np.ndarray, *, layer: int = -1):
     """The :class:`~mini_moe.routing.Routing` of the first routing group of ``images`` in MoE
     layer ``layer`` (eval mode), with tensors ``[T, E, C]``: the first ``group_images`` images

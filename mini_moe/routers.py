@@ -487,14 +487,17 @@ class HashProjection(nnx.Module):
     fixed hash of its identity, carried to continuous tokens by locality-sensitive hashing: a
     random projection ``Q [D, E]`` with orthonormal columns (Gaussian columns of unit norm when
     ``D < E``), held fixed (:class:`FrozenWeight`), and each token goes to the ``k`` experts whose
-    projections ``x Q`` are largest, with combine weight ``1 / k``. Nearby tokens share experts;
-    nothing about the task decides which.
+    projections ``(x - mean) Q`` are largest, with combine weight ``1 / k``. ``mean`` is the mean
+    token of the routing group: the tokens of a network share a large common component, which
+    alone would send every token to the same expert (issue 34's pilot saw exactly that), so
+    the hash looks at how a token differs from its group. Nearby tokens share experts; nothing
+    about the task decides which, and no gradient reaches the choice (the gates are constants).
 
-    Balance: for isotropic tokens (``x ~ N(0, I)``) and ``D >= E``, ``x Q ~ N(0, I_E)``, so every
-    expert is equally likely, each token independently; the load of a group is multinomial. On a
-    trained representation, which is not isotropic, the balance is whatever the data give (the
-    router's ``max_violation`` metric shows it) and the capacity drops the overflow as for any
-    Token Choice router.
+    Balance: for isotropic tokens (``x ~ N(m, I)``) and ``D >= E``, ``(x - m) Q ~ N(0, I_E)``, so
+    every expert is equally likely, each token independently; the load of a group is
+    multinomial. On a trained representation, which is not isotropic, the balance is whatever
+    the data give (the router's ``max_violation`` metric shows it) and the capacity drops the
+    overflow as for any Token Choice router.
     """
 
     def __init__(self, dim: int, num_experts: int, *, rngs: nnx.Rngs):
@@ -509,8 +512,8 @@ class HashProjection(nnx.Module):
         self.projection = FrozenWeight(projection)
 
     def logits(self, x: Array) -> Array:
-        """The projections ``x Q``: ``[..., T, E]``."""
-        return x @ self.projection[...].astype(x.dtype)
+        """The projections ``(x - mean_T x) Q``: ``[..., T, E]``."""
+        return (x - jnp.mean(x, axis=-2, keepdims=True)) @ self.projection[...].astype(x.dtype)
 
     def __call__(self, x: Array, budget: Budget) -> Affinities:
         picks = jax.lax.top_k(self.logits(x), budget.k)[1]  # [..., T, k]

@@ -67,7 +67,17 @@ ALLOCATION_PAIRS = (
 # Paper 000, Figure 3: Sinkhorn Token Choice whose combine weights come from the transport
 # plan instead of the softmax. A study trains it next to the routers: variant -> (router, options).
 #: The router variants a study can train, by name, as (registered router, options).
-VARIANTS = {"sinkhorn_token_choice_plan_combine": ("sinkhorn_token_choice", {"softmax_combine": False})}
+# Issue 34's routing controls and confound splits: the same router with its weights frozen at
+# initialisation (no learned routing), Token Choice without noise or auxiliary loss, or with the
+# Switch loss, and Expert Choice with Token Choice's logit noise.
+VARIANTS = {
+    "sinkhorn_token_choice_plan_combine": ("sinkhorn_token_choice", {"softmax_combine": False}),
+    "softmax_token_choice_frozen": ("softmax_token_choice", {"frozen": True}),
+    "softmax_expert_choice_frozen": ("softmax_expert_choice", {"frozen": True}),
+    "softmax_token_choice_plain": ("softmax_token_choice", {"noise_std": 0.0, "balance_loss": "none"}),
+    "softmax_token_choice_switch": ("softmax_token_choice", {"balance_loss": "switch"}),
+    "softmax_expert_choice_noisy": ("softmax_expert_choice", {"noise_std": 1.0}),
+}
 STUDY_ROUTERS = sorted(PAPER_ROUTERS) + sorted(VARIANTS)
 CAPACITIES = (0.5, 1.0, 2.0)  # paper 002's sweep; paper 000 uses c = 1, 2
 

@@ -35,7 +35,7 @@ from flax import nnx
 
 from mini_moe import routers as routers_lib
 from mini_moe import study
-from mini_moe.evaluate import eval_mode
+from mini_moe.evaluate import assignment_counts, eval_mode
 from mini_moe.layer import MlpExperts
 from mini_moe.model import MoeLayer
 from mini_moe.validate import InputError, check_int
@@ -185,16 +185,6 @@ def _predict(layer, x):
     weight = out.routing.combine.sum(-1)  # [G, T, E]: each expert's combine weight for the token
     hits = (out.routing.dispatch > 0).any(-1)  # [G, T, E]
     return pred, weight, hits
-
-
-def assignment_counts(weight: np.ndarray, hits: np.ndarray, task: np.ndarray, num_tasks: int) -> np.ndarray:
-    """``[K, E]``: how many tokens of each sub-task have each expert as their main expert (the
-    processing expert with the largest combine weight); unprocessed tokens count nowhere."""
-    processed = hits.any(-1)
-    main = np.where(hits, weight, -np.inf).argmax(-1)
-    counts = np.zeros((num_tasks, weight.shape[-1]))
-    np.add.at(counts, (task[processed], main[processed]), 1)
-    return counts
 
 
 def routing(layer: SubtaskLayer, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

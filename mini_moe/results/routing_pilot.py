@@ -1,0 +1,135 @@
+"""The exploratory pilot of issue 34: does learned routing matter, or only the experts' capacity?
+
+Usage (from the repository root, one training at a time, pinned to one core)::
+
+    COMMIT=1 taskset -c 1 .venv/bin/python mini_moe/results/routing_pilot.py GROUP [GROUP ...]
+
+(``COMMIT=1``: commit the results file after every run.)
+
+Each GROUP names a list of runs (:data:`GROUPS`). Every run is one
+:func:`mini_moe.study.run_cell` of :func:`mini_moe.study.cell_config` (the confirmatory
+runner's code path), trained under ``runs/routing-pilot/`` (git-ignored) on the training split
+less 10,000 validation images (:func:`mini_moe.data.validation_split`, fixed for every run):
+its evaluations during training are on the validation images. After training, the test
+accuracy and, on ``subtask_vote``, the routing accuracy against the right routing
+(:func:`mini_moe.evaluate.routing_accuracy`) are measured on the test split. After each run,
+finished or failed, its record goes into ``mini_moe/results/routing-pilot-<MACHINE>.json``
+(``MACHINE``, default ``cpu-2core-xeon``), with the command and the full config. Runs already
+recorded are skipped, so the pilot resumes. The pilot is exploratory: it chooses the task's
+difficulty and the schedules; its seeds (0-2) are never reused, its p-values are not a result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from mini_moe import bench, data, evaluate, study, train
+
+MACHINE = os.environ.get("MACHINE", "cpu-2core-xeon")
+OUT = pathlib.Path(f"mini_moe/results/routing-pilot-{MACHINE}.json")
+RUNS = pathlib.Path("runs/routing-pilot")
+VALIDATION = 10_000
+
+DENSE, TC, EC, HASH = None, "softmax_token_choice", "softmax_expert_choice", "hash"
+TC_FROZEN, EC_FROZEN = "softmax_token_choice_frozen", "softmax_expert_choice_frozen"
+
+
+def run(router, seed, dataset="subtask_vote", capacity=1.0, **overrides):
+    return dict(router=router, seed=seed, dataset=dataset, capacity=capacity, overrides=overrides)
+
+
+#: The pilot's runs, by group, in the order they were planned.
+GROUPS = {
+    # the teachers' width h against the experts' 64 (content d = 4): where does one dense MLP of
+    # equal activated FLOPs fall behind, and does learned routing beat frozen routing there?
+    "calibrate": [run(r, 0, dataset=f"subtask_vote_d4_h{h}") for h in (4, 16, 64)
+                  for r in (DENSE, EC, EC_FROZEN, TC)],
+}
+
+
+def name(spec) -> str:
+    extra = "".join(f"-{k.removeprefix('model_')}{v}" for k, v in sorted(spec["overrides"].items()))
+    return f"{spec['dataset']}{extra}-{study.cell_name(spec['router'], spec['capacity'], spec['seed'])}"
+
+
+def splits(dataset: str):
+    """``(train, validation, test)`` of ``dataset``: the training split less the validation images."""
+    train_part, validation = data.validation_split(data.load(dataset), VALIDATION)
+    return train_part, validation, data.load(dataset, "test")
+
+
+def test_measures(out_dir, dataset: str, test) -> dict:
+    """Test accuracy and, on ``subtask_vote``, routing against the right routing, of a trained run."""
+    model, _ = train.load_trained(out_dir)
+    out = {"test_accuracy": evaluate.accuracy(model, test)}
+    options = data.subtask_vote_options(dataset)
+    if options is not None and model.cfg.router is not None:
+        tasks, _ = data.subtask_vote_tasks("test", **options)
+        out["routing"] = evaluate.routing_accuracy(model, test.images, tasks)
+    return out
+
+
+def main(groups) -> None:
+    record = json.loads(OUT.read_text()) if OUT.exists() else {
+        "what": "issue 34 pilot (exploratory): every run, finished or failed; validation = "
+                f"{VALIDATION} training images held out (data.validation_split, seed 0)",
+        "machine": bench.machine(), "runs": []}
+    done = {r["name"] for r in record["runs"] if r["status"] == "ok"}
+    for group in groups:
+        for spec in GROUPS[group]:
+            run_name = name(spec)
+            if run_name in done:
+                continue
+            command = f"COMMIT=1 taskset -c 1 .venv/bin/python mini_moe/results/routing_pilot.py {group}  # run {run_name}"
+            entry = {"name": run_name, "group": group, "command": command, "router": spec["router"] or "dense",
+                     "capacity": spec["capacity"], "seed": spec["seed"], "dataset": spec["dataset"],
+                     "overrides": spec["overrides"]}
+            tick = time.perf_counter()
+            try:
+                cfg = study.cell_config(spec["router"], spec["capacity"], spec["seed"], dataset=spec["dataset"],
+                                        scale="quick", **spec["overrides"])
+                entry["config"] = json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
+                train_part, validation, test = splits(spec["dataset"])
+                result = study.run_cell(cfg, RUNS / run_name, progress=False, label=spec["router"],
+                                        capacity=spec["capacity"], datasets=(train_part, validation))
+                entry |= {"status": "ok", "validation_accuracy": result["test_accuracy"], "steps": result["steps"],
+                          "train_seconds": result["train_seconds"], "step_flops": result["step_flops"],
+                          "mechanisms": result["mechanisms"],
+                          "eval": [{**e, "validation_accuracy": e.pop("test_accuracy")} for e in result["eval"]]}
+                entry |= test_measures(RUNS / run_name, spec["dataset"], test)
+                entry["wall_seconds"] = round(time.perf_counter() - tick, 1)
+            except Exception as e:  # recorded, the pilot goes on
+                entry |= {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc()[-2000:],
+                          "wall_seconds": round(time.perf_counter() - tick, 1)}
+            entry["source_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                    text=True).stdout.strip()
+            entry["source_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "mini_moe"],
+                                                        capture_output=True, text=True).stdout.strip())
+            record["runs"] = [r for r in record["runs"] if r["name"] != run_name] + [entry]
+            record["machine"]["date_last"] = bench.machine()["date"]
+            OUT.write_text(json.dumps(record, indent=1) + "\n")
+            if os.environ.get("COMMIT") == "1":  # commit the record alone, as the run finishes
+                subprocess.run(["bash", "-c", f'source mini_moe/results/commit_result.sh && '
+                                f'commit_result {OUT} "issue 34 pilot: {run_name}"'], check=False)
+            acc = entry.get("test_accuracy")
+            routing = [round(layer["routing_accuracy"], 3) for layer in entry.get("routing", [])]
+            print(f"{run_name}: {entry['status']} test={acc if acc is None else round(100 * acc, 2)} "
+                  f"routing={routing} train_s={entry.get('train_seconds')} wall_s={entry['wall_seconds']}", flush=True)
+
+
+if __name__ == "__main__":
+    unknown = [g for g in sys.argv[1:] if g not in GROUPS]
+    if unknown or len(sys.argv) < 2:
+        sys.exit(f"usage: {shlex.quote(sys.argv[0])} GROUP [GROUP ...]; groups: {', '.join(GROUPS)}")
+    main(sys.argv[1:])
