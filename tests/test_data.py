@@ -286,6 +286,102 @@ def test_patch_vote_has_its_own_configuration():
         config.get_config("quick", dataset="imagenet")
 
 
+# -------------------------------------------------------------- subtask_vote
+
+
+def _recover(images, teacher):
+    """Sub-task and content of every patch, read back from the pixels through the documented
+    map ``pixels = 0.5 + (signature_k + z @ basis) / 8`` (the signatures and the content basis
+    are orthonormal directions, so projections separate them)."""
+    x = (np.asarray(images, np.float64).reshape(-1, 4, 7, 4, 7).transpose(0, 1, 3, 2, 4).reshape(-1, 16, 49)
+         - 0.5) * 8
+    return np.argmax(x @ teacher.signatures.T, -1), x @ teacher.content_basis.T
+
+
+def test_subtask_vote_label_rule_and_right_routing_hold():
+    ds = data.subtask_vote("test", content=4, teacher=8, num_test=2000, seed=1)
+    tasks, values = data.subtask_vote_tasks("test", content=4, teacher=8, num_test=2000, seed=1)
+    assert ds.images.shape == (2000, 28, 28, 1) and ds.images.dtype == np.float32 and ds.labels.dtype == np.int32
+    assert 0 <= ds.images.min() and ds.images.max() <= 1 and not ds.images.flags.writeable
+    assert _vote_rule_holds(values, ds.labels).all()
+    assert not _vote_rule_holds(values[:100], (ds.labels[:100] + 1) % 10).any()
+    teacher = data.subtask_vote_teacher(4, 8, 1)
+    # The sub-task is what the signature shows, and the value is that sub-task's teacher applied to
+    # the content the pixels carry (float32 pixels move a content by ~1e-7: a value may flip only
+    # for a content that close to a decile, far fewer than 1 in 1,000).
+    seen, content = _recover(ds.images, teacher)
+    np.testing.assert_array_equal(seen, tasks)
+    recomputed = np.empty_like(values)
+    for k in range(8):
+        recomputed[tasks == k] = teacher.values(k, content[tasks == k])
+    assert np.mean(recomputed == values) > 0.999
+    # Each sub-task is 1/8 of the patches; within a sub-task every value 1/10 (5 binomial SDs).
+    n = tasks.size
+    assert np.all(np.abs(np.bincount(tasks.ravel(), minlength=8) - n / 8) < 5 * np.sqrt(n / 8 * 7 / 8))
+    # The signatures and the content basis are orthonormal rows, the signatures of norm 4.
+    rows = np.concatenate([teacher.signatures / data.SUBTASK_VOTE_SEPARATION, teacher.content_basis])
+    np.testing.assert_allclose(rows @ rows.T, np.eye(12), atol=1e-12)
+    # The deciles split a fresh Gaussian sample into ten equal parts, for every teacher.
+    z = np.random.default_rng(5).standard_normal((50_000, 4))
+    for k in range(8):
+        share = np.bincount(teacher.values(k, z), minlength=10) / len(z)
+        assert np.all(np.abs(share - 0.1) < 5 * np.sqrt(0.1 * 0.9 / len(z))), (k, share)
+
+
+def test_subtask_vote_teachers_differ_so_one_function_cannot_serve_every_sub_task():
+    teacher = data.subtask_vote_teacher(4, 16, 0)
+    z = np.random.default_rng(0).standard_normal((20_000, 4))
+    values = np.stack([teacher.values(k, z) for k in range(8)])  # [K, n]: the same contents, each teacher
+    agree = (values[:, None] == values[None]).mean(-1)
+    off = agree[~np.eye(8, dtype=bool)]
+    assert off.max() < 0.5, agree  # two sub-tasks' values of one content mostly differ (chance is 0.1)
+
+
+def test_subtask_vote_is_deterministic_and_names_select_the_teacher():
+    a = data.subtask_vote("test", num_test=300, seed=2, content=3, teacher=5)
+    data._subtask_vote_split.cache_clear()
+    data.subtask_vote_teacher.cache_clear()
+    b = data.subtask_vote("test", num_test=300, seed=2, content=3, teacher=5)
+    assert a.images is not b.images
+    np.testing.assert_array_equal(a.images, b.images)
+    np.testing.assert_array_equal(a.labels, b.labels)
+    assert not np.array_equal(data.subtask_vote("test", num_test=300, seed=3, content=3, teacher=5).images, a.images)
+    assert not np.array_equal(data.subtask_vote("train", num_train=300, seed=2, content=3, teacher=5).images, a.images)
+    assert data.subtask_vote_options("subtask_vote") == {}
+    assert data.subtask_vote_options("subtask_vote_d4_h16") == {"content": 4, "teacher": 16}
+    assert data.subtask_vote_options("subtask_vote_h8") == {"teacher": 8}
+    assert data.subtask_vote_options("subtask_vote_x") is None
+    ds = data.load("subtask_vote_d3_h5", "test")
+    assert ds.name == "subtask_vote_d3_h5" and len(ds) == 10000
+    with pytest.raises(ValueError, match="content must be <= 41"):
+        data.subtask_vote_teacher(content=42)
+    with pytest.raises(ValueError, match="teacher must be an integer >= 1"):
+        data.subtask_vote("test", teacher=0)
+    with pytest.raises(ValueError, match="subtask_vote_d<d>_h<h>"):
+        data.load("subtask_votes")
+
+
+def test_subtask_vote_has_patch_votes_configuration():
+    from mini_moe import config
+
+    cfg = config.get_config("quick", dataset="subtask_vote_d4_h16", router=None)
+    vote = config.get_config("quick", dataset="patch_vote", router=None)
+    assert cfg == dataclasses.replace(vote, dataset="subtask_vote_d4_h16")
+
+
+def test_validation_split_is_disjoint_fixed_and_checked():
+    train = data.patch_vote("train", vocab_size=64, num_train=1000)
+    part, held = data.validation_split(train, 200)
+    assert len(part) == 800 and len(held) == 200 and held.split == "validation" and part.split == "train"
+    keys = lambda d: {x.tobytes() for x in d.images}  # every image is distinct, so bytes identify it
+    assert keys(part).isdisjoint(keys(held)) and keys(part) | keys(held) == keys(train)
+    again, held_again = data.validation_split(train, 200)
+    np.testing.assert_array_equal(held.images, held_again.images)
+    assert not np.array_equal(data.validation_split(train, 200, seed=1)[1].images, held.images)
+    with pytest.raises(ValueError, match="num_validation must be < 1000"):
+        data.validation_split(train, 1000)
+
+
 # -------------------------------------------------------------- normalize and batches
 
 

@@ -370,3 +370,32 @@ def test_subtask_curves_hold_a_stopped_run_at_its_last_values():
     (line,) = fig.axes[0].get_lines()
     np.testing.assert_allclose(line.get_xdata(), [100, 200, 300, 400])
     np.testing.assert_allclose(line.get_ydata(), [0.7, 0.35, 0.3, 0.25])  # seed 0 holds 0.4 after step 200
+
+
+@pytest.mark.parametrize("router", ["softmax_expert_choice", "softmax_token_choice"])
+def test_routing_accuracy_is_the_best_matching_of_main_experts(router):
+    """Against a brute force: every one of the 4! matchings of sub-tasks to experts, and each
+    patch's main expert found slot by slot from the routing tensors."""
+    import itertools
+
+    cfg = study.cell_config(router, 1.0, 0, dataset="subtask_vote", scale="quick", **TINY)
+    model = train.make_model(cfg)
+    images = np.asarray(jax.random.uniform(jax.random.key(2), (24, 28, 28, 1)))
+    tasks = np.asarray(jax.random.randint(jax.random.key(3), (24, 16), 0, 4))
+    (got,) = evaluate.routing_accuracy(model, images, tasks, batch_size=8)
+    with evaluate.eval_mode(model):
+        rt = model(images, return_routing=True).routings[0]
+    combine = np.asarray(rt.combine).reshape(24, 16, 4, -1)
+    dispatch = np.asarray(rt.dispatch).reshape(24, 16, 4, -1)
+    main = np.full((24, 16), -1)
+    for n, p in itertools.product(range(24), range(16)):
+        weights = [combine[n, p, e].sum() if dispatch[n, p, e].any() else -1.0 for e in range(4)]
+        main[n, p] = int(np.argmax(weights)) if max(weights) >= 0 else -1
+    best = max(np.mean(main == np.asarray(perm)[tasks]) for perm in itertools.permutations(range(4)))
+    assert got["routing_accuracy"] == pytest.approx(best)
+    assert got["unprocessed"] == pytest.approx(np.mean(main < 0))
+    assert np.sum(got["counts"]) == np.sum(main >= 0)
+    if router == "softmax_expert_choice":
+        assert got["unprocessed"] > 0  # Expert Choice leaves some patches to no expert
+    with pytest.raises(ValueError, match=r"tasks must be \[N, P\]"):
+        evaluate.routing_accuracy(model, images, tasks[:, :4])

@@ -142,3 +142,27 @@ def test_expert_choice_with_token_choices_noise():
     assert float(noisy(x).aux_loss) == 0.0
     noisy.eval()
     np.testing.assert_array_equal(np.asarray(noisy(x).routing.dispatch), np.asarray(paper(x).routing.dispatch))
+
+
+def test_study_variants_set_exactly_their_options():
+    from mini_moe import study
+
+    base = {r: dict(study.cell_config(r, 1.0, 0, dataset="patch_vote", scale="quick").model.router_kwargs)
+            for r in ("softmax_token_choice", "softmax_expert_choice")}
+    expected = {"softmax_token_choice_frozen": {"frozen": True},
+                "softmax_expert_choice_frozen": {"frozen": True},
+                "softmax_token_choice_plain": {"noise_std": 0.0, "balance_loss": "none"},
+                "softmax_token_choice_switch": {"balance_loss": "switch"},
+                "softmax_expert_choice_noisy": {"noise_std": 1.0}}
+    for variant, options in expected.items():
+        cfg = study.cell_config(variant, 1.0, 0, dataset="patch_vote", scale="quick")
+        router = study.VARIANTS[variant][0]
+        assert cfg.model.router == router
+        assert dict(cfg.model.router_kwargs) == base[router] | options
+        model = train.make_model(cfg)  # the options reach the router
+        moe = next(block.mlp.router for block in model.blocks if block.use_moe)
+        for key, value in options.items():
+            if key == "frozen":
+                assert not nnx.state(moe, nnx.Param) and nnx.state(moe, routers.FrozenWeight)
+            else:
+                assert getattr(moe.affinity, key) == value

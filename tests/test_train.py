@@ -392,8 +392,11 @@ def test_step_flops_counts_every_study_router():
     from mini_moe import study
 
     tiny = {k: v for k, v in TINY.items() if k != "model_group_images"}
+    # The variants that only set a router's options compile as their router does; the one that
+    # changes its combine weights is kept (tests/test_routing_controls.py checks the others' options).
+    compiled = [r for r in study.STUDY_ROUTERS if r not in study.VARIANTS or r.endswith("plan_combine")]
     flops = {(r, c): study.step_flops(study.cell_config(r, c, 0, dataset="digits", scale="quick", **tiny))
-             for r in study.STUDY_ROUTERS for c in (1, 2) if c == 1 or r == "softmax_token_choice"}
+             for r in compiled for c in (1, 2) if c == 1 or r == "softmax_token_choice"}
     assert all(math.isfinite(f) and f > 0 for f in flops.values()), flops
     assert flops[("softmax_token_choice", 2)] > flops[("softmax_token_choice", 1)]
 
