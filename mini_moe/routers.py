@@ -314,25 +314,44 @@ class ReluGates(Affinity):
     sparsity ``1 - k / E`` (k active experts per token on average): ``lambda *= rate`` when the
     fraction of zero gates is below the target, ``lambda /= rate`` when above.
 
+    Whose sparsity: ReMoE's reference code keeps **one lambda for the whole model**, moved once
+    per training step by the sparsity averaged over all MoE layers; that is ``l1_scope="model"``,
+    the default, where the router does not move lambda itself and
+    :class:`mini_moe.model.VisionMoE` calls :func:`update_l1_weights` on all its ReLU routers
+    after each training forward pass (so every layer holds the same lambda). ``l1_scope="layer"``
+    gives every layer its own lambda, moved in the router's own call by its own sparsity (the
+    router alone, outside a model, adapts only this way).
+
     Args:
       target_k: k, the average number of active experts per token the controller aims at.
       l1_init: lambda's initial value (ReMoE: 1e-8).
       l1_rate: the controller's multiplicative step (ReMoE: 1.2).
+      l1_scope: ``"model"`` (ReMoE's reference) or ``"layer"``, as above.
 
     Metrics: ``sparsity`` (fraction of zero gates), ``active_experts`` (mean per token),
     ``l1_weight`` (lambda).
     """
 
-    def __init__(self, dim, num_experts, *, target_k=1, l1_init=1e-8, l1_rate=1.2, deterministic=False,
-                 rngs: nnx.Rngs):
+    L1_SCOPES = ("model", "layer")
+
+    def __init__(self, dim, num_experts, *, target_k=1, l1_init=1e-8, l1_rate=1.2, l1_scope="model",
+                 deterministic=False, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
         check_int("target_k", target_k)
         if target_k > num_experts:
             raise InputError(f"target_k must be <= num_experts={num_experts}, got {target_k}.")
         if not l1_init > 0 or not l1_rate > 1:
             raise InputError(f"l1_init must be > 0 and l1_rate > 1, got {l1_init!r} and {l1_rate!r}.")
+        if l1_scope not in self.L1_SCOPES:
+            raise InputError(f"l1_scope must be one of {self.L1_SCOPES}, got {l1_scope!r}.")
         self.target_k, self.l1_rate, self.deterministic = target_k, float(l1_rate), deterministic
+        self.l1_scope = l1_scope
         self.l1_weight = L1Weight(jnp.asarray(l1_init, jnp.float32))
+
+    @property
+    def target_sparsity(self) -> float:
+        """The fraction of zero gates the controller aims at, ``1 - k / E``."""
+        return 1.0 - self.target_k / self.num_experts
 
     def __call__(self, x: Array, budget: Budget) -> Affinities:
         gates = jax.nn.relu(self.logits(x))  # [..., T, E]
@@ -342,13 +361,26 @@ class ReluGates(Affinity):
         load = jax.lax.stop_gradient(self.num_experts * flat.sum(0) / (self.target_k * flat.shape[0]))  # f_e
         penalty = jnp.mean(jnp.sum(load * gates.reshape(-1, self.num_experts), axis=-1))
         weight = self.l1_weight[...]
-        if not self.deterministic:
-            target = 1.0 - self.target_k / self.num_experts
-            self.l1_weight[...] = weight * self.l1_rate ** jnp.sign(target - sparsity)
+        if not self.deterministic and self.l1_scope == "layer":
+            self.l1_weight[...] = weight * self.l1_rate ** jnp.sign(self.target_sparsity - sparsity)
         totals = jnp.sum(gates, axis=-1, keepdims=True)
         probs = jnp.where(totals > 0, gates / jnp.where(totals > 0, totals, 1.0), 1.0 / self.num_experts)
         metrics = dict(sparsity=sparsity, active_experts=jnp.mean(flat.sum(-1)), l1_weight=weight)
         return Affinities(gates, probs=probs, aux_loss=jax.lax.stop_gradient(weight) * penalty, metrics=metrics)
+
+
+def update_l1_weights(gates: list[ReluGates], sparsities: list[Array]) -> None:
+    """ReMoE's model-level controller (its reference code): one step of lambda for all of a
+    model's ReLU routers ``gates`` (``l1_scope="model"``), by the sparsity of this step averaged
+    over their layers (``sparsities``, one scalar per layer, the routers' ``sparsity`` metric):
+    every lambda is multiplied by ``rate ** sign(target - mean sparsity)``. Routers in
+    ``l1_scope="layer"`` or in eval mode are left alone."""
+    moving = [(g, s) for g, s in zip(gates, sparsities) if g.l1_scope == "model" and not g.deterministic]
+    if not moving:
+        return
+    mean = jnp.mean(jnp.stack([jnp.asarray(s, jnp.float32) for _, s in moving]))
+    for g, _ in moving:
+        g.l1_weight[...] = g.l1_weight[...] * g.l1_rate ** jnp.sign(g.target_sparsity - mean)
 
 
 class SinkhornPlan(Affinity):
@@ -825,17 +857,18 @@ def group_limited(dim, num_experts, *, k=2, capacity_factor=None, batch_priority
 
 
 @register("remoe", allocation="token")
-def remoe(dim, num_experts, *, k=1, capacity_factor=None, l1_init=1e-8, l1_rate=1.2, deterministic=False,
-          rngs: nnx.Rngs) -> Router:
+def remoe(dim, num_experts, *, k=1, capacity_factor=None, l1_init=1e-8, l1_rate=1.2, l1_scope="model",
+          deterministic=False, rngs: nnx.Rngs) -> Router:
     """ReMoE (Wang et al. 2024, arXiv 2412.14711): ReLU gates with an adaptive, load-balanced
     L1 penalty that holds k active experts per token on average (:class:`ReluGates`); every
     positive gate is a pick (:class:`TokenChoice` with k = E, ``min_score = 0``). The number of
     experts varies per token, so buffers of ``capacity_factor`` (default k) drop what overflows;
     ``moe_path="dropless"`` drops nothing. The auxiliary loss is lambda times the penalty; the
     controller moves lambda until the sparsity is reached, whatever weight the training loss
-    gives the auxiliary losses."""
-    affinity = ReluGates(dim, num_experts, target_k=k, l1_init=l1_init, l1_rate=l1_rate, deterministic=deterministic,
-                         rngs=rngs)
+    gives the auxiliary losses. ``l1_scope``: one lambda for the model (``"model"``, ReMoE's
+    reference, moved by :class:`mini_moe.model.VisionMoE`) or one per layer (``"layer"``)."""
+    affinity = ReluGates(dim, num_experts, target_k=k, l1_init=l1_init, l1_rate=l1_rate, l1_scope=l1_scope,
+                         deterministic=deterministic, rngs=rngs)
     return Router(affinity, TokenChoice(num_experts, k if capacity_factor is None else capacity_factor,
                                         min_score=0.0))
 

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from mini_moe import routers, routing
+from mini_moe.evaluate import eval_mode
 from mini_moe.layer import MlpExperts
 from mini_moe.model import MoeLayer
 
@@ -57,15 +58,20 @@ def test_penalty_is_load_balanced_l1_times_lambda():
 
 def test_controller_moves_lambda_towards_the_target_sparsity():
     x = jax.random.normal(jax.random.key(3), (2, T, D))
-    dense = _router(k=3, l1_init=1e-3, l1_rate=1.5)  # target sparsity 1 - 3/4: gates are sparser than that
+    dense = _router(k=3, l1_init=1e-3, l1_rate=1.5, l1_scope="layer")  # target 1 - 3/4: gates are sparser
     dense(x)
     assert float(dense.affinity.l1_weight[...]) == pytest.approx(1e-3 / 1.5)  # too sparse: less penalty
-    sparse = _router(k=1, l1_init=1e-3, l1_rate=1.5)  # target 3/4 zeros: about half are zero now
+    sparse = _router(k=1, l1_init=1e-3, l1_rate=1.5, l1_scope="layer")  # target 3/4 zeros: about half now
     sparse(x)
     assert float(sparse.affinity.l1_weight[...]) == pytest.approx(1e-3 * 1.5)  # not sparse enough: more
-    frozen = _router(k=1, l1_init=1e-3, deterministic=True)
+    frozen = _router(k=1, l1_init=1e-3, deterministic=True, l1_scope="layer")
     frozen(x)
     assert float(frozen.affinity.l1_weight[...]) == pytest.approx(1e-3)
+    alone = _router(k=1, l1_init=1e-3, l1_rate=1.5)  # the default, ReMoE's model-level lambda: the model moves it
+    alone(x)
+    assert float(alone.affinity.l1_weight[...]) == pytest.approx(1e-3)
+    with pytest.raises(ValueError, match="l1_scope must be one of"):
+        _router(l1_scope="block")
     # Not a parameter: no gradient, no optimizer, no weight decay.
     assert "l1_weight" not in nnx.state(sparse, nnx.Param)["affinity"]
     assert isinstance(sparse.affinity.l1_weight, routers.L1Weight)
@@ -93,3 +99,30 @@ def test_bad_options():
         _router(k=5)
     with pytest.raises(ValueError, match="l1_rate"):
         _router(l1_rate=1.0)
+
+
+@pytest.mark.parametrize("scope", ["model", "layer"])
+def test_one_lambda_for_the_model_moved_by_the_mean_sparsity_of_its_layers(scope):
+    """ReMoE's reference keeps one lambda for the model and moves it by the sparsity averaged
+    over all MoE layers (issue 35 item 4); ``l1_scope="layer"`` moves each by its own."""
+    from mini_moe import config as config_lib
+    from mini_moe import train
+
+    cfg = config_lib.get_config("quick", dataset="digits", router="remoe", model_depth=4, model_placement="every2",
+                                model_router_kwargs={"l1_init": 1e-3, "l1_rate": 1.5, "l1_scope": scope})
+    model = train.make_model(cfg)
+    gates = [block.mlp.router.affinity for block in model.blocks if block.use_moe]
+    assert len(gates) == 2
+    images = jax.random.uniform(jax.random.key(0), (16, 8, 8, 1))
+    out = model(images)  # training mode
+    sparsity = [float(m["sparsity"]) for m in out.metrics]
+    target = gates[0].target_sparsity
+    moved = [float(g.l1_weight[...]) for g in gates]
+    if scope == "model":
+        expected = 1e-3 * 1.5 ** np.sign(target - np.mean(sparsity))
+        np.testing.assert_allclose(moved, [expected, expected], rtol=1e-6)
+    else:
+        np.testing.assert_allclose(moved, [1e-3 * 1.5 ** np.sign(target - s) for s in sparsity], rtol=1e-6)
+    with eval_mode(model):  # evaluation moves nothing
+        model(images)
+    assert [float(g.l1_weight[...]) for g in gates] == moved
