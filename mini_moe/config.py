@@ -94,6 +94,10 @@ class TrainConfig:
     eval_batch_size: int = 512
     checkpoint_every: int = 500
     max_seconds: float | None = None  # stop (and checkpoint) after this much training time
+    # Early stopping (train.plateaued): 0 = off, else stop at the first evaluation whose best
+    # accuracy on the evaluation split is not min_delta above the best of `patience` steps earlier.
+    patience: int = 0
+    min_delta: float = 0.0
     mesh: tuple | None = None  # (data, expert) devices: expert parallelism (mini_moe.parallel)
     seed: int = 0
 
@@ -102,6 +106,11 @@ class TrainConfig:
             check_int(name, getattr(self, name))
         if not self.learning_rate > 0:
             raise InputError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
+        check_int("patience", self.patience, 0)
+        if self.patience % self.eval_every:
+            raise InputError(f"patience must be a multiple of eval_every={self.eval_every}, got {self.patience}.")
+        if not 0 <= self.min_delta < 1:
+            raise InputError(f"min_delta must be in [0, 1) (accuracy as a fraction), got {self.min_delta!r}.")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise InputError(f"max_seconds must be > 0 (or None: no time limit), got {self.max_seconds!r}.")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:

@@ -301,6 +301,18 @@ def budget_config(cfg: TrainConfig, seconds: float, *, out_dir=None, datasets=No
     )
 
 
+def plateaued(evals: list[dict], patience: int, min_delta: float) -> bool:
+    """The early-stopping rule of :class:`~mini_moe.config.TrainConfig` (``patience`` > 0) on the
+    evaluations so far (``[{"step", "test_accuracy"}]``, the accuracy on the run's evaluation
+    split): the best accuracy up to the last evaluation is not ``min_delta`` above the best up to
+    ``patience`` steps before it. False while no evaluation is that old."""
+    if not patience or not evals:
+        return False
+    step = evals[-1]["step"]
+    before = [e["test_accuracy"] for e in evals if e["step"] <= step - patience]
+    return bool(before) and not max(e["test_accuracy"] for e in evals) >= max(before) + min_delta
+
+
 def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = True, datasets=None) -> dict:
     """Train ``cfg`` into ``out_dir``; returns the history (also written as JSON).
 
@@ -374,6 +386,8 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     for step in range(start, cfg.steps):
         if cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds:
             break  # a resumed run whose time budget was already spent
+        if plateaued(history["eval"], cfg.patience, cfg.min_delta):
+            break  # a resumed run that had already stopped early
         stats = _step(model, optimizer, batch_at(train_ds, cfg, step), cfg, mesh)
         pending.append((step, stats))
         done = step + 1
@@ -382,28 +396,29 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         checkpoint_now = done % cfg.checkpoint_every == 0 or done == cfg.steps
         maybe_out_of_time = (cfg.max_seconds is not None
                              and history["seconds"] + time.perf_counter() - tick >= cfg.max_seconds)
-        out_of_time = False
+        stop = False
         if log or evaluate_now or checkpoint_now or maybe_out_of_time:
             wait_and_check()
-            out_of_time = cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds
+            stop = cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds
             if log:
                 row = {"step": done, "seconds": round(history["seconds"], 2)}
                 row.update({k: float(v) for k, v in stats.items() if k != "router"})
                 row.update({f"router/{k}": float(v) for k, v in stats["router"].items()})
                 history["train"].append(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}")
-            if evaluate_now or out_of_time:
+            if evaluate_now or stop:
                 acc = evaluate.accuracy(model, test_ds, batch_size=cfg.eval_batch_size)
                 history["eval"].append({"step": done, "seconds": round(history["seconds"], 2),
                                         "test_accuracy": acc})
                 if progress:
                     bar.write(f"step {done}: test accuracy {acc:.4f}")
-            if checkpoint_now or out_of_time:
+                stop = stop or plateaued(history["eval"], cfg.patience, cfg.min_delta)
+            if checkpoint_now or stop:
                 save_checkpoint(manager, done, model, optimizer)
                 write_history()
             tick = time.perf_counter()
         bar.update(1)
-        if out_of_time:
+        if stop:
             break
     bar.close()
     write_history()

@@ -315,6 +315,27 @@ def test_time_budget_stops_training_and_a_spent_run_resumes_without_training(tmp
     assert [e["step"] for e in again["eval"]] == [1] and again["seconds"] == history["seconds"]
 
 
+def test_early_stopping_rule_by_hand():
+    evals = [{"step": s, "test_accuracy": a} for s, a in ((100, 0.50), (200, 0.60), (300, 0.605), (400, 0.61))]
+    assert not train.plateaued(evals[:1], 200, 0.01)  # nothing 200 steps old yet
+    assert not train.plateaued(evals[:3], 200, 0.01)  # 0.605 vs the best at step <= 100 (0.50): improving
+    assert train.plateaued(evals, 200, 0.02)  # 0.61 is not 0.02 above 0.60 (the best at step <= 200)
+    assert not train.plateaued(evals, 200, 0.01)
+    assert not train.plateaued(evals, 0, 0.5)  # patience 0: the rule is off
+    with pytest.raises(ValueError, match="patience must be a multiple of eval_every=3"):
+        _cfg(patience=4)
+    with pytest.raises(ValueError, match="min_delta must be in"):
+        _cfg(min_delta=-0.1)
+
+
+def test_early_stopping_stops_checkpoints_and_a_stopped_run_resumes_without_training(tmp_path, digits):
+    cfg = _cfg(steps=30, patience=3, min_delta=0.99)  # no run gains 99 points: it stops at its second evaluation
+    history = train.train(cfg, tmp_path, progress=False, datasets=digits)
+    assert [e["step"] for e in history["eval"]] == [3, 6]
+    again = train.train(cfg, tmp_path, resume=True, progress=False, datasets=digits)
+    assert [e["step"] for e in again["eval"]] == [3, 6] and again["seconds"] == history["seconds"]
+
+
 def test_committed_results_are_packaged():
     from mini_moe import bench
 
