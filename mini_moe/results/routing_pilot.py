@@ -52,9 +52,59 @@ def run(router, seed, dataset="subtask_vote", capacity=1.0, **overrides):
 GROUPS = {
     # the teachers' width h against the experts' 64 (content d = 4): where does one dense MLP of
     # equal activated FLOPs fall behind, and does learned routing beat frozen routing there?
+    # (Stopped after 3 of 12 runs: at h = 4 every arm stayed near 30 % after 2,000 steps, so the
+    # per-token probe below came first; the Token Choice run was killed unfinished.)
     "calibrate": [run(r, 0, dataset=f"subtask_vote_d4_h{h}") for h in (4, 16, 64)
                   for r in (DENSE, EC, EC_FROZEN, TC)],
+    # the easiest teacher (h = 1) with a longer cap: does the image-level vote learn the values?
+    "calibrate_long": [run(r, 0, dataset="subtask_vote_d4_h1", steps=6000, eval_every=500)
+                       for r in (DENSE, EC, EC_FROZEN)],
 }
+
+#: Per-token probes (no ViT): one GELU MLP 49 -> width -> 10 trained with labels on the value of
+#: single patches, on one sub-task's patches or on all eight (``"tasks"``), 3,000 Adam steps
+#: (3e-3) of 512 patches, value accuracy on 20,000 fresh patches. The capacity argument of
+#: :func:`mini_moe.data.subtask_vote` measured directly: does one expert-sized MLP hold one
+#: teacher but not eight?
+PROBES = {"token_probe": [dict(content=4, teacher=h, tasks=t, width=w) for h in (1, 4, 16)
+                          for t, w in ((1, 64), (8, 64), (8, 512))]}
+
+
+def token_probe(content: int, teacher: int, tasks: int, width: int, *, steps: int = 3000, seed: int = 0) -> dict:
+    """One per-token probe of :data:`PROBES` (sub-tasks ``0..tasks-1``): value accuracy on fresh patches."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    model = data.subtask_vote_teacher(content, teacher, 0)
+    rng = np.random.default_rng(seed)
+
+    def sample(n):
+        k, z = rng.integers(0, tasks, n), rng.standard_normal((n, content))
+        values = np.empty(n, np.int64)
+        for t in range(tasks):
+            values[k == t] = model.values(t, z[k == t])
+        return jnp.asarray((model.pixels(k, z).reshape(n, -1) - 0.5) * 8), jnp.asarray(values)
+
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w1": jax.random.normal(k1, (49, width)) / 7, "b1": jnp.zeros(width),
+              "w2": jax.random.normal(k2, (width, 10)) / np.sqrt(width), "b2": jnp.zeros(10)}
+    opt = optax.adam(3e-3)
+    state = opt.init(params)
+    logits = lambda p, x: jax.nn.gelu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    loss = lambda p, x, y: optax.softmax_cross_entropy_with_integer_labels(logits(p, x), y).mean()
+
+    @jax.jit
+    def step(p, s, x, y):
+        updates, s = opt.update(jax.grad(loss)(p, x, y), s)
+        return optax.apply_updates(p, updates), s
+
+    tick = time.perf_counter()
+    for _ in range(steps):
+        params, state = step(params, state, *sample(512))
+    x, y = sample(20_000)
+    return {"value_accuracy": float(jnp.mean(logits(params, x).argmax(-1) == y)),
+            "seconds": round(time.perf_counter() - tick, 1)}
 
 
 def name(spec) -> str:
@@ -85,7 +135,21 @@ def main(groups) -> None:
                 f"{VALIDATION} training images held out (data.validation_split, seed 0)",
         "machine": bench.machine(), "runs": []}
     done = {r["name"] for r in record["runs"] if r["status"] == "ok"}
-    for group in groups:
+    for group in [g for g in groups if g in PROBES]:
+        for spec in PROBES[group]:
+            run_name = "token_probe-d{content}-h{teacher}-tasks{tasks}-width{width}".format(**spec)
+            if run_name in done:
+                continue
+            entry = {"name": run_name, "group": group, "status": "ok", "seed": 0, **spec,
+                     "command": f"COMMIT=1 taskset -c 1 .venv/bin/python mini_moe/results/routing_pilot.py {group}",
+                     **token_probe(**spec)}
+            record["runs"].append(entry)
+            OUT.write_text(json.dumps(record, indent=1) + "\n")
+            print(f"{run_name}: {entry['value_accuracy']:.3f}", flush=True)
+        if os.environ.get("COMMIT") == "1":
+            subprocess.run(["bash", "-c", f'source mini_moe/results/commit_result.sh && '
+                            f'commit_result {OUT} "issue 34 pilot: {group}"'], check=False)
+    for group in [g for g in groups if g not in PROBES]:
         for spec in GROUPS[group]:
             run_name = name(spec)
             if run_name in done:
@@ -129,7 +193,7 @@ def main(groups) -> None:
 
 
 if __name__ == "__main__":
-    unknown = [g for g in sys.argv[1:] if g not in GROUPS]
+    unknown = [g for g in sys.argv[1:] if g not in GROUPS and g not in PROBES]
     if unknown or len(sys.argv) < 2:
-        sys.exit(f"usage: {shlex.quote(sys.argv[0])} GROUP [GROUP ...]; groups: {', '.join(GROUPS)}")
+        sys.exit(f"usage: {shlex.quote(sys.argv[0])} GROUP [GROUP ...]; groups: {', '.join([*GROUPS, *PROBES])}")
     main(sys.argv[1:])
