@@ -390,7 +390,7 @@ def group_dependence(router, experts, images: Array, *, group_images: int, trial
     A token of image 0 counts as changed in a trial when its output of eq. (2) differs from its
     output in the first group by more than ``rtol`` times that output's norm (a token dropped in
     both groups has output 0 in both and is unchanged). ``group_images=1`` routes image 0 alone,
-    the grouping V-MoE uses for Soft MoE: then nothing can change.
+    the grouping paper 002 defines for Soft MoE: then nothing can change.
 
     Args:
       router: a router (called in eval mode, restored afterwards) mapping ``[T, D]`` tokens to a
