@@ -99,6 +99,7 @@ class TrainConfig:
     patience: int = 0
     min_delta: float = 0.0
     mesh: tuple | None = None  # (data, expert) devices: expert parallelism (mini_moe.parallel)
+    grad_accum: int = 1  # micro-batches per optimizer step (train.accumulated_grads)
     seed: int = 0
 
     def __post_init__(self):
@@ -131,6 +132,18 @@ class TrainConfig:
             if self.model.router is not None and self.model.routed_experts % self.mesh[1]:
                 raise InputError(f"num_experts * fine_grained={self.model.routed_experts} must be a multiple of the mesh's "
                                  f"expert axis {self.mesh[1]}.")
+        check_int("grad_accum", self.grad_accum)
+        if self.grad_accum > 1:
+            per_group = 1 if routers_lib.per_image(self.model.router) else self.model.group_images
+            if self.batch_size % (self.grad_accum * per_group):
+                raise InputError(f"batch_size={self.batch_size} must be a multiple of grad_accum={self.grad_accum} x "
+                                 f"{per_group} images per routing group, so every micro-batch holds whole groups.")
+            if self.prc or self.mesh is not None:
+                raise InputError("grad_accum > 1 is not supported with prc=True or a mesh; use grad_accum=1.")
+            if dict(self.model.router_kwargs).get("balance_scope", "group") != "group":
+                raise InputError("grad_accum > 1 with balance_scope='batch': the global-batch loss needs every "
+                                 "micro-batch's expert counts before the first backward pass, which accumulation "
+                                 "does not have. Use balance_scope='group' or grad_accum=1.")
         if self.prc and (self.model.router is None or routers_lib.per_image(self.model.router)):
             raise InputError(f"prc=True needs a sparse router (paper 004 uses token choice), got {self.model.router!r}.")
 

@@ -333,7 +333,29 @@ class VisionMoE(nnx.Module):
                     routings.append(out.routing)
                 if isinstance(block.mlp.router.affinity, routers_lib.ReluGates):
                     relu.append((block.mlp.router.affinity, out.metrics["sparsity"]))
-        if relu:  # ReMoE: one lambda for the model, moved by the sparsity of all its layers
+        if relu and not relu[0][0].defer:  # ReMoE: one lambda for the model, moved by all its layers' sparsity
             routers_lib.update_l1_weights(*zip(*relu))
         features = jnp.mean(self.norm(x.astype(jnp.float32)), axis=1)
         return ModelOutput(self.head(features), aux, tuple(metrics), features, tuple(probs), tuple(routings))
+
+    def apply_deferred_updates(self, metrics: list) -> None:
+        """After the micro-batches of one accumulated step (routers in
+        :func:`~mini_moe.routers.defer_updates` mode): one update of every router's own state from
+        the whole batch. ``metrics``: each micro-batch's ``ModelOutput.metrics`` (one dict per MoE
+        layer). DeepSeek-V3's bias moves by the picks summed over the micro-batches; ReMoE's lambda
+        by the sparsity averaged over them (equal-sized micro-batches), per layer or over the model
+        as its ``l1_scope`` says."""
+        affinities = [block.mlp.router.affinity for block in self.blocks if block.use_moe]
+        relu, sparsity = [], []
+        for i, affinity in enumerate(affinities):
+            if isinstance(affinity, routers_lib.SigmoidGates) and affinity.bias_rate > 0:
+                affinity.update_bias(sum(m[i]["pick_load"] for m in metrics))
+            elif isinstance(affinity, routers_lib.ReluGates):
+                mean = jnp.mean(jnp.stack([m[i]["sparsity"] for m in metrics]))
+                if affinity.l1_scope == "layer":
+                    affinity.step_l1(mean)
+                else:
+                    relu.append(affinity)
+                    sparsity.append(mean)
+        if relu:
+            routers_lib.update_l1_weights(relu, sparsity)

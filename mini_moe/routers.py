@@ -232,7 +232,13 @@ class SigmoidGates(Affinity):
         two highest biased scores (its highest when it holds one expert), each token keeps its
         ``top_groups`` best groups and picks its k experts inside them. ``num_groups=1``: off.
 
-    Metrics: ``bias_spread`` (max - min of b) and ``sequence_balance_loss``.
+    Under gradient accumulation (``defer = True``, set by :func:`defer_updates`) a call does not
+    move the bias: the training step sums the micro-batches' ``pick_load`` and calls
+    :meth:`update_bias` once, so the update sees the whole accumulated batch (the bug of
+    torchtitan#1304 was one update per micro-batch).
+
+    Metrics: ``bias_spread`` (max - min of b), ``sequence_balance_loss`` and ``pick_load`` (``[E]``,
+    picks per expert in this call).
     """
 
     def __init__(self, dim, num_experts, *, bias_rate=1e-3, seq_balance=0.0, num_groups=1, top_groups=1,
@@ -250,7 +256,13 @@ class SigmoidGates(Affinity):
         self.bias_rate, self.seq_balance = float(bias_rate), float(seq_balance)
         self.num_groups, self.top_groups = num_groups, top_groups
         self.deterministic = deterministic
+        self.defer = False  # True under gradient accumulation: the training step updates the bias once
         self.bias = ExpertBias(jnp.zeros((num_experts,), jnp.float32))
+
+    def update_bias(self, load: Array) -> None:
+        """One step of the bias from the picks per expert ``load [E]`` of a whole batch:
+        ``b_e += bias_rate * sign(mean load - load_e)``."""
+        self.bias[...] = self.bias[...] + self.bias_rate * jnp.sign(jnp.mean(load) - load)
 
     def check(self, k: int) -> None:
         """k picks must fit inside the kept groups."""
@@ -277,14 +289,15 @@ class SigmoidGates(Affinity):
         chosen = jax.nn.one_hot(picks, self.num_experts, dtype=scores.dtype).sum(-2)  # [..., T, E]: 0/1
         gates = scores * chosen
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-        if not self.deterministic and self.bias_rate > 0:
-            load = chosen.reshape(-1, self.num_experts).sum(0)  # picks per expert, whole batch
-            self.bias[...] = self.bias[...] + self.bias_rate * jnp.sign(load.mean() - load)
+        load = chosen.reshape(-1, self.num_experts).sum(0)  # picks per expert, whole batch
+        if not self.deterministic and self.bias_rate > 0 and not self.defer:
+            self.update_bias(load)
         # V3's eq. 18 counts f_i on the top-k of the unbiased scores (no bias, no groups), as
         # Megatron's compute_routing_scores_for_aux_loss does; the bias only selects.
         unbiased = jax.nn.one_hot(jax.lax.top_k(scores, budget.k)[1], self.num_experts, dtype=scores.dtype).sum(-2)
         balance = losses.sequence_balance_loss(scores, unbiased)
-        metrics = dict(sequence_balance_loss=balance, bias_spread=jnp.max(self.bias[...]) - jnp.min(self.bias[...]))
+        metrics = dict(sequence_balance_loss=balance, bias_spread=jnp.max(self.bias[...]) - jnp.min(self.bias[...]),
+                       pick_load=load)
         # The allocation ranks the biased (group-limited) scores, which picks the same k experts,
         # and takes its combine weights from the normalised gates. The excluded experts get the
         # lowest finite number, below any biased score however far the bias drifts (DeepSeek-V3's
@@ -346,7 +359,12 @@ class ReluGates(Affinity):
             raise InputError(f"l1_scope must be one of {self.L1_SCOPES}, got {l1_scope!r}.")
         self.target_k, self.l1_rate, self.deterministic = target_k, float(l1_rate), deterministic
         self.l1_scope = l1_scope
+        self.defer = False  # True under gradient accumulation: the training step moves lambda once
         self.l1_weight = L1Weight(jnp.asarray(l1_init, jnp.float32))
+
+    def step_l1(self, sparsity: Array) -> None:
+        """One step of lambda towards the target from the fraction of zero gates ``sparsity``."""
+        self.l1_weight[...] = self.l1_weight[...] * self.l1_rate ** jnp.sign(self.target_sparsity - sparsity)
 
     @property
     def target_sparsity(self) -> float:
@@ -361,8 +379,8 @@ class ReluGates(Affinity):
         load = jax.lax.stop_gradient(self.num_experts * flat.sum(0) / (self.target_k * flat.shape[0]))  # f_e
         penalty = jnp.mean(jnp.sum(load * gates.reshape(-1, self.num_experts), axis=-1))
         weight = self.l1_weight[...]
-        if not self.deterministic and self.l1_scope == "layer":
-            self.l1_weight[...] = weight * self.l1_rate ** jnp.sign(self.target_sparsity - sparsity)
+        if not self.deterministic and self.l1_scope == "layer" and not self.defer:
+            self.step_l1(sparsity)
         totals = jnp.sum(gates, axis=-1, keepdims=True)
         probs = jnp.where(totals > 0, gates / jnp.where(totals > 0, totals, 1.0), 1.0 / self.num_experts)
         metrics = dict(sparsity=sparsity, active_experts=jnp.mean(flat.sum(-1)), l1_weight=weight)
@@ -380,7 +398,17 @@ def update_l1_weights(gates: list[ReluGates], sparsities: list[Array]) -> None:
         return
     mean = jnp.mean(jnp.stack([jnp.asarray(s, jnp.float32) for _, s in moving]))
     for g, _ in moving:
-        g.l1_weight[...] = g.l1_weight[...] * g.l1_rate ** jnp.sign(g.target_sparsity - mean)
+        g.step_l1(mean)
+
+
+def defer_updates(module, defer: bool = True) -> None:
+    """Gradient accumulation: make every router in ``module`` that updates state in its own
+    training call (DeepSeek-V3's bias, :class:`SigmoidGates`; ReMoE's lambda, :class:`ReluGates`)
+    leave it to the training step, which applies one update from the whole accumulated batch
+    (:meth:`mini_moe.model.VisionMoE.apply_deferred_updates`)."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, (SigmoidGates, ReluGates)):
+            node.defer = bool(defer)
 
 
 class SinkhornPlan(Affinity):

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from mini_moe import augment
 from mini_moe import data as data_lib
 from mini_moe import evaluate, losses, parallel
+from mini_moe import routers as routers_lib
 from mini_moe.config import TrainConfig
 from mini_moe.model import ModelConfig, VisionMoE
 from mini_moe.validate import InputError
@@ -46,8 +47,12 @@ Array = Any
 
 
 def make_model(cfg: TrainConfig) -> VisionMoE:
-    """The model of ``cfg``, initialised from ``cfg.seed``."""
-    return VisionMoE(cfg.model, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
+    """The model of ``cfg``, initialised from ``cfg.seed`` (with ``grad_accum > 1``, its routers
+    leave their own state updates to the training step: :func:`mini_moe.routers.defer_updates`)."""
+    model = VisionMoE(cfg.model, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
+    if cfg.grad_accum > 1:
+        routers_lib.defer_updates(model)
+    return model
 
 
 #: The names of the parameters weight decay applies to (the weight matrices of linear maps).
@@ -113,6 +118,51 @@ def train_step(model, optimizer, images, labels, aux_weight: float, mesh=None):
     optimizer.update(model, grads)
     accuracy = jnp.mean(jnp.argmax(out.logits, -1) == labels)
     return {"loss": ce, "aux_loss": out.aux_loss, "accuracy": accuracy, "router": _mean_metrics(out.metrics)}
+
+
+def accumulated_grads(model, images, labels, aux_weight: float, micro_batches: int):
+    """Gradient accumulation: the gradients of :func:`_loss_fn` on ``images [B, ...]`` computed
+    over ``micro_batches`` equal slices of whole routing groups, averaged, with the routers'
+    own state (DeepSeek-V3's bias, ReMoE's lambda) updated once from the whole batch at the
+    end (:meth:`~mini_moe.model.VisionMoE.apply_deferred_updates`; the routers must be in
+    :func:`~mini_moe.routers.defer_updates` mode, as :func:`make_model` sets them for
+    ``grad_accum > 1``). Returns ``(grads, ce, aux_loss, logits [B, classes], metrics)``, ``metrics``
+    one tuple of per-layer router metrics per micro-batch.
+
+    Equal to one step on the whole batch (up to float round-off): every routing group lies in one
+    micro-batch, so routing, capacity, drops and the per-group losses are the same; the batch's
+    mean loss is the mean of the micro-batches' means. What differs: random draws (router noise)
+    come in another order; ReMoE's L1 penalty weights each expert by its share of one forward
+    call's tokens, so here by the micro-batch's share (its gradient differs slightly; the
+    controller's lambda does not, it sees the whole batch); and a loss over the whole batch
+    (``balance_scope="batch"``) is refused by the configuration, since its expert counts are not
+    known before the first backward pass.
+    """
+    size = images.shape[0] // micro_batches
+    grads = ce = aux = None
+    logits, metrics = [], []
+    for i in range(micro_batches):
+        part = slice(i * size, (i + 1) * size)
+        g, (c, out) = nnx.grad(_loss_fn, has_aux=True)(model, images[part], labels[part], aux_weight, None)
+        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+        ce = c if ce is None else ce + c
+        aux = out.aux_loss if aux is None else aux + out.aux_loss
+        logits.append(out.logits)
+        metrics.append(out.metrics)
+    model.apply_deferred_updates(metrics)
+    scale = 1.0 / micro_batches
+    grads = jax.tree.map(lambda g: g * scale, grads)
+    return grads, ce * scale, aux * scale, jnp.concatenate(logits), metrics
+
+
+@nnx.jit(static_argnames=("aux_weight", "micro_batches"))
+def accumulated_train_step(model, optimizer, images, labels, aux_weight: float, micro_batches: int):
+    """One AdamW step from :func:`accumulated_grads` (``TrainConfig.grad_accum`` micro-batches)."""
+    grads, ce, aux, logits, metrics = accumulated_grads(model, images, labels, aux_weight, micro_batches)
+    optimizer.update(model, grads)
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
+    router = {k: jnp.mean(jnp.stack([_mean_metrics(m)[k] for m in metrics])) for k in _mean_metrics(metrics[0])}
+    return {"loss": ce, "aux_loss": aux, "accuracy": accuracy, "router": router}
 
 
 def _prc_loss_fn(model, view1, view2, labels, index, valid, lambdas, mesh):
@@ -260,6 +310,9 @@ def _step(model, optimizer, batch, cfg: TrainConfig, mesh=None):
     if cfg.prc:
         return prc_train_step(model, optimizer, *batch, lambdas=(cfg.prc_lambda_diag, cfg.prc_lambda_offdiag),
                               mesh=mesh)
+    if cfg.grad_accum > 1:
+        return accumulated_train_step(model, optimizer, *batch, aux_weight=cfg.aux_loss_weight,
+                                      micro_batches=cfg.grad_accum)
     return train_step(model, optimizer, *batch, aux_weight=cfg.aux_loss_weight, mesh=mesh)
 
 

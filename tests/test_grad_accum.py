@@ -1,0 +1,109 @@
+"""Gradient accumulation (``TrainConfig.grad_accum``, issue 36 §2): a step on B split into n
+micro-batches equals one step on B, and the routers' own state moves once per step."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mini_moe import config as config_lib
+from mini_moe import routers, train
+
+TINY = dict(steps=6, batch_size=32, eval_every=3, checkpoint_every=3, eval_batch_size=64, model_dim=16,
+            model_depth=2, model_heads=2, model_mlp_dim=16, model_num_experts=4, model_group_images=4)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return train.load_data(config_lib.get_config("quick", dataset="digits"))
+
+
+def _cfg(router, **kw):
+    return config_lib.get_config("quick", dataset="digits", router=router, **{**TINY, **kw})
+
+
+def _leaves(state):
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def _close(a, b, rtol=2e-5, atol=1e-6):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
+
+
+CASES = {
+    # dropless DeepSeek-V3 gating with its bias: nothing depends on the group's other tokens
+    "loss_free_dropless": ("sigmoid_loss_free", dict(model_moe_path="dropless",
+                                                      model_router_kwargs={"bias_rate": 0.05, "seq_balance": 1.0})),
+    # capacity-limited Token Choice without noise: groups stay whole, so its drops are the same
+    "token_choice_capacity": ("softmax_token_choice", dict(model_router_kwargs={"noise_std": 0.0})),
+    # ReMoE, one lambda for the model
+    "remoe": ("remoe", dict(model_router_kwargs={"l1_init": 1e-3, "l1_rate": 1.5})),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_an_accumulated_step_equals_one_step_on_the_whole_batch(case, digits):
+    router, kw = CASES[case]
+    whole_cfg, split_cfg = _cfg(router, **kw), _cfg(router, grad_accum=4, **kw)
+    images, labels = (jax.numpy.asarray(a) for a in train.batch_at(digits[0], whole_cfg, 0))
+    # gradients, losses and the routers' state after the forward passes
+    whole, split = train.make_model(whole_cfg), train.make_model(split_cfg)
+    grads, (ce, out) = nnx.grad(train._loss_fn, has_aux=True)(whole, images, labels, whole_cfg.aux_loss_weight, None)
+    acc_grads, acc_ce, acc_aux, logits, _ = train.accumulated_grads(split, images, labels, split_cfg.aux_loss_weight, 4)
+    _close(_leaves(acc_grads), _leaves(grads))
+    assert float(acc_ce) == pytest.approx(float(ce), rel=1e-5)
+    if case == "remoe":
+        # What differs: ReMoE's penalty weights each expert by f_e, counted over the tokens of one
+        # forward call, so under accumulation f_e is each micro-batch's, not the batch's.
+        assert float(acc_aux) != pytest.approx(float(out.aux_loss), rel=1e-4)
+        assert float(acc_aux) == pytest.approx(float(out.aux_loss), rel=0.05)
+    else:
+        assert float(acc_aux) == pytest.approx(float(out.aux_loss), rel=1e-4, abs=1e-7)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(out.logits), rtol=1e-5, atol=1e-5)
+    state = lambda m: _leaves(nnx.state(m, routers.ExpertBias, routers.L1Weight))
+    if case != "token_choice_capacity":  # the routers with state of their own: it moved
+        fresh = state(train.make_model(whole_cfg))
+        assert state(whole) and not any(np.array_equal(a, b) for a, b in zip(state(whole), fresh))
+    _close(state(split), state(whole), rtol=1e-6, atol=0)  # moved once, by the whole batch
+    if case != "loss_free_dropless":
+        return
+    # one optimizer step each: the same parameters after it
+    whole, split = train.make_model(whole_cfg), train.make_model(split_cfg)
+    train._step(whole, train.make_optimizer(whole, whole_cfg), (images, labels), whole_cfg)
+    train._step(split, train.make_optimizer(split, split_cfg), (images, labels), split_cfg)
+    _close(_leaves(nnx.state(split, nnx.Param)), _leaves(nnx.state(whole, nnx.Param)), rtol=1e-4, atol=1e-6)
+    _close(state(split), state(whole), rtol=1e-6, atol=0)
+
+
+def test_the_bias_moves_once_per_step_not_once_per_micro_batch(digits):
+    """torchtitan#1304's bug: a bias updated by every micro-batch moves up to n times as far."""
+    cfg = _cfg("sigmoid_loss_free", grad_accum=4, model_router_kwargs={"bias_rate": 0.05})
+    model = train.make_model(cfg)
+    images, labels = (jax.numpy.asarray(a) for a in train.batch_at(digits[0], cfg, 0))
+    train.accumulated_grads(model, images, labels, cfg.aux_loss_weight, 4)
+    for bias in _leaves(nnx.state(model, routers.ExpertBias)):
+        assert np.max(np.abs(bias)) == pytest.approx(0.05)  # one step of rate 0.05
+    eager = train.make_model(dataclasses.replace(cfg, grad_accum=1))  # no deferral: the bug
+    train.accumulated_grads(eager, images, labels, cfg.aux_loss_weight, 4)
+    assert max(np.max(np.abs(b)) for b in _leaves(nnx.state(eager, routers.ExpertBias))) > 0.05 + 1e-6
+
+
+def test_accumulation_is_checked_and_resumes_exactly(tmp_path, digits, monkeypatch):
+    with pytest.raises(ValueError, match="multiple of grad_accum=3"):
+        _cfg("softmax_token_choice", grad_accum=3)
+    with pytest.raises(ValueError, match="balance_scope='batch'"):
+        _cfg("softmax_token_choice", grad_accum=2, model_router_kwargs={"balance_scope": "batch"})
+    cfg = _cfg("sigmoid_loss_free", grad_accum=2, model_router_kwargs={"bias_rate": 0.01})
+    train.train(cfg, tmp_path / "straight", progress=False, datasets=digits)
+    straight, _ = train.load_trained(tmp_path / "straight")
+
+    from interrupted import train_interrupted_then_resumed
+
+    train_interrupted_then_resumed(cfg, tmp_path / "resumed", digits, monkeypatch)
+    resumed, _ = train.load_trained(tmp_path / "resumed")
+    for a, b in zip(_leaves(nnx.state(straight)), _leaves(nnx.state(resumed))):
+        np.testing.assert_array_equal(a, b)  # bit-exact: same process, same programs
