@@ -76,10 +76,15 @@ book: venv data
 # kernels computed, so each chapter is executed once (.ci/nbval_record.py): nbval fails on a cell
 # error, the build on any warning, and `verify` if the build had to execute a chapter itself.
 NBVAL_EXECUTED := _build/nbval
+# The chapters run two at a time, one whole notebook per pytest-xdist worker (each in its own
+# kernel); the timing asserts of chapters 5 and 11 compare two paths timed back to back in one
+# kernel, so a neighbour slows both. NBVAL_PARALLEL= runs them one by one.
+NBVAL_PARALLEL ?= -n 2 --dist loadfile
 BOOK_CACHE := _build/.jupyter_cache
 nbval-book: venv data
 	rm -rf _build
-	PYTHONPATH=.ci $(PY) -m pytest -p nbval_record --nbval-record $(NBVAL_EXECUTED) --nbval-lax --nbval-current-env $(CHAPTERS_NB)
+	PYTHONPATH=.ci $(PY) -m pytest -p nbval_record --nbval-record $(NBVAL_EXECUTED) --nbval-lax --nbval-current-env \
+	  $(NBVAL_PARALLEL) $(CHAPTERS_NB)
 	$(PY) .ci/nbval_record.py cache $(NBVAL_EXECUTED) $(BOOK_CACHE) --expect $(words $(CHAPTERS_NB))
 	$(BOOK_BUILD) --config $(BOOK_CACHE)/_config.yml
 	$(PY) .ci/nbval_record.py verify $(BOOK_CACHE)

@@ -74,8 +74,17 @@ class _Recorder:
             self.written.append(write_executed(item.parent.nb, self.cells.get(path, {}), path,
                                                self.out, self.root))
 
+    def pytest_runtest_logreport(self, report):
+        """Failures as the terminal sees them (under pytest-xdist the cells run in workers, and
+        only their reports reach this process)."""
+        if report.failed and ".ipynb" in report.nodeid:
+            self.failed.add(Path(report.nodeid.split("::")[0]))
+
     def pytest_terminal_summary(self, terminalreporter):
-        terminalreporter.write_line(f"nbval-record: {len(self.written)} executed notebook(s) written under "
+        # Counted on disk: with pytest-xdist (make nbval-book runs the chapters two at a time) the
+        # workers write the notebooks, not this process.
+        written = sorted(self.out.rglob("*.ipynb")) if self.out.exists() else []
+        terminalreporter.write_line(f"nbval-record: {len(written)} executed notebook(s) under "
                                     f"{self.out}" + (f"; not written (a cell failed): "
                                                      f"{', '.join(sorted(p.name for p in self.failed))}"
                                                      if self.failed else ""))
