@@ -100,6 +100,33 @@ def _git(*args, cwd=None) -> str | None:
         return None
 
 
+def source_state() -> dict:
+    """The code this process imported ``mini_moe`` from: ``{"commit", "dirty"}`` of the checkout
+    (or pinned worktree) that holds it; ``dirty`` is True when any tracked file under its
+    ``mini_moe/`` differs from the commit, or an untracked one is there."""
+    source = pathlib.Path(__file__).resolve().parent
+    status = _git("status", "--porcelain", "--", ".", cwd=source)
+    return {"commit": _git("rev-parse", "HEAD", cwd=source), "dirty": status is None or bool(status)}
+
+
+def require_pinned(commit: str) -> dict:
+    """Refuse to go on unless ``mini_moe`` was imported from a clean checkout of ``commit``: the
+    guard of a registered confirmatory run (issue 34), so that no cell is trained by other code
+    than the registration pinned. Returns :func:`source_state`."""
+    state = source_state()
+    if state["commit"] is None:
+        raise InputError("the code's git commit is unknown (mini_moe is not imported from a git checkout); "
+                         "a confirmatory cell needs the pinned commit checked out (mini_moe/results/commit_result.sh "
+                         "pin_source does it).")
+    if not state["commit"].startswith(commit) and not commit.startswith(state["commit"]):
+        raise InputError(f"mini_moe comes from commit {state['commit'][:12]}, not the pinned {commit[:12]}: "
+                         "check out the pinned commit (pin_source) before training a confirmatory cell.")
+    if state["dirty"]:
+        raise InputError(f"the checkout of mini_moe at {state['commit'][:12]} has uncommitted changes under mini_moe/; "
+                         "a confirmatory cell must be trained by the pinned commit exactly. Commit or discard them.")
+    return state
+
+
 def run(name: str, out) -> dict:
     """Train (or resume, or just read) the cell ``name``; its ``result.json`` gets the git commit
     of the code that trained it (``source_commit``; ``source_dirty``: uncommitted changes)."""
@@ -111,9 +138,8 @@ def run(name: str, out) -> dict:
     done = (folder / "result.json").exists()
     result = study.run_cell(config(router, capacity, seed), folder, progress=False, label=router, capacity=capacity)
     if not done:
-        source = pathlib.Path(__file__).resolve().parent  # the code that trained it (maybe a pinned worktree)
-        status = _git("status", "--porcelain", "--", ".", cwd=source)
-        result |= {"source_commit": _git("rev-parse", "HEAD", cwd=source), "source_dirty": bool(status)}
+        state = source_state()  # the code that trained it (maybe a pinned worktree)
+        result |= {"source_commit": state["commit"], "source_dirty": state["dirty"]}
         (folder / "result.json").write_text(json.dumps(result, indent=1))
     return result
 

@@ -135,3 +135,25 @@ def test_todo_lists_what_is_missing(tmp_path, capsys):
 def test_unknown_cell_is_a_clear_error(tmp_path, capsys):
     assert confirm.main(["run", "nope-s1", "--out", str(tmp_path)]) == 2
     assert "Unknown cell 'nope-s1'" in capsys.readouterr().err
+
+
+def test_a_confirmatory_cell_needs_the_pinned_commit_and_a_clean_checkout(monkeypatch):
+    """Issue 34 §4: the runner refuses a cell trained by code other than the pinned commit."""
+    import subprocess
+
+    from mini_moe import confirm
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert confirm.source_state()["commit"] == head  # this checkout
+    answers = {}
+    monkeypatch.setattr(confirm, "_git", lambda *args, cwd=None: answers[args[0]])
+    answers.update({"rev-parse": "a1b2c3d4e5f6" + "0" * 28, "status": ""})
+    assert confirm.require_pinned("a1b2c3d4e5f6") == {"commit": answers["rev-parse"], "dirty": False}
+    with pytest.raises(ValueError, match="not the pinned 0123456789ab"):
+        confirm.require_pinned("0123456789ab")
+    answers["status"] = " M mini_moe/routers.py"
+    with pytest.raises(ValueError, match="uncommitted changes"):
+        confirm.require_pinned("a1b2c3d4e5f6")
+    answers.update({"rev-parse": None, "status": None})
+    with pytest.raises(ValueError, match="commit is unknown"):
+        confirm.require_pinned("a1b2c3d4e5f6")
