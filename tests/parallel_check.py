@@ -11,10 +11,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from mini_moe import config, parallel, train  # noqa: E402
+from mini_moe import config, parallel, routers, train  # noqa: E402
 
 # Token Choice (k = 2, with drops), Expert Choice and Soft MoE: the three kinds of dispatch tensor.
-ROUTERS = {"softmax_token_choice": {"k": 2}, "softmax_expert_choice": {}, "soft_moe": {"slots_per_expert": 2}}
+ROUTERS = {"softmax_token_choice": {"k": 2}, "softmax_expert_choice": {}, "soft_moe": {"slots_per_expert": 2},
+           "sigmoid_loss_free": {"k": 2}}
 
 
 def tiny(router, **kw):
@@ -34,7 +35,7 @@ def check_equal_to_single_device():
     images = jax.random.normal(jax.random.key(0), (32, 8, 8, 1))
     # (router, training mode): softmax_token_choice trains with noisy logits (V-MoE), so the noise
     # drawn on the sharded model must equal the single-device model's.
-    for router, training in [(r, False) for r in ROUTERS] + [("softmax_token_choice", True)]:
+    for router, training in [(r, False) for r in ROUTERS if r != "sigmoid_loss_free"] + [("softmax_token_choice", True)]:
         single, sharded = train.make_model(tiny(router)), train.make_model(tiny(router))
         for m in (single, sharded):
             m.train() if training else m.eval()
@@ -141,6 +142,34 @@ def check_global_batch_balance_loss():
     print("global-batch balance loss under shard_map: value and gradient ok")
 
 
+def check_loss_free_bias_however_the_batch_is_split():
+    """DeepSeek-V3's bias update sees the load of the whole batch, however the batch is split
+    (issue 36): one device, the 2 x 4 mesh (batch over 8 devices) and 4 micro-batches of
+    gradient accumulation give the same bias after one training step's forward passes."""
+    mesh = parallel.make_mesh(2, 4)
+    kwargs = {"k": 2, "bias_rate": 0.05, "seq_balance": 1.0}
+    images = jax.random.normal(jax.random.key(1), (32, 8, 8, 1))
+    labels = jnp.arange(32) % 10
+    biases = {}
+    for name, cfg in [("one device", tiny("sigmoid_loss_free", model_router_kwargs=kwargs)),
+                      ("2x4 mesh", tiny("sigmoid_loss_free", model_router_kwargs=kwargs)),
+                      ("4 micro-batches", tiny("sigmoid_loss_free", model_router_kwargs=kwargs, grad_accum=4))]:
+        model = train.make_model(cfg)
+        if name == "2x4 mesh":
+            parallel.shard_model(model, mesh)
+            nnx.jit(lambda m, x: m(x, mesh=mesh).logits)(model, jax.device_put(images, parallel.batch_sharding(mesh)))
+        elif cfg.grad_accum > 1:
+            nnx.jit(lambda m, x, y: train.accumulated_grads(m, x, y, 0.01, 4)[1])(model, images, labels)
+        else:
+            nnx.jit(lambda m, x: m(x).logits)(model, images)
+        biases[name] = [np.asarray(b) for b in jax.tree.leaves(nnx.state(model, routers.ExpertBias))]
+    assert any(np.any(b != 0) for b in biases["one device"])
+    for name in ("2x4 mesh", "4 micro-batches"):
+        for a, b in zip(biases["one device"], biases[name]):
+            np.testing.assert_allclose(b, a, atol=1e-7)
+    print("loss-free bias: the same on one device, on the 2x4 mesh and over 4 micro-batches")
+
+
 def check_errors():
     mesh = parallel.make_mesh(2, 4)
     for call, match in [
@@ -166,4 +195,5 @@ if __name__ == "__main__":
     check_training_runs_sharded(sys.argv[1])
     check_errors()
     check_global_batch_balance_loss()
+    check_loss_free_bias_however_the_batch_is_split()
     print("ALL OK")

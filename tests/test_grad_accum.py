@@ -25,7 +25,8 @@ def _cfg(router, **kw):
 
 
 def _leaves(state):
-    return [np.asarray(x) for x in jax.tree.leaves(state)]
+    return [np.asarray(jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            for x in jax.tree.leaves(state)]
 
 
 def _close(a, b, rtol=2e-5, atol=1e-6):
@@ -107,3 +108,40 @@ def test_accumulation_is_checked_and_resumes_exactly(tmp_path, digits, monkeypat
     resumed, _ = train.load_trained(tmp_path / "resumed")
     for a, b in zip(_leaves(nnx.state(straight)), _leaves(nnx.state(resumed))):
         np.testing.assert_array_equal(a, b)  # bit-exact: same process, same programs
+
+
+# ----------------------------------------------------------------- invariances (issue 36 §1)
+
+D, E = 16, 8
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("softmax_token_choice", {"noise_std": 0.0}), ("softmax_token_choice", {"noise_std": 0.0, "balance_loss": "switch"}),
+    ("sigmoid_loss_free", {"seq_balance": 1.0, "deterministic": True}), ("remoe", {"deterministic": True}),
+])
+def test_per_group_losses_do_not_depend_on_the_order_of_the_groups(name, kw):
+    router = routers.make_router(name, D, E, rngs=nnx.Rngs(0), **kw)
+    x = jax.random.normal(jax.random.key(0), (6, 32, D)) + jax.numpy.arange(6)[:, None, None] * 0.3
+    order = np.array([3, 0, 5, 1, 4, 2])
+    a, b = router(x), router(x[order])
+    assert float(a.aux_loss) > 0
+    assert float(b.aux_loss) == pytest.approx(float(a.aux_loss), rel=1e-5)
+    np.testing.assert_array_equal(np.asarray(b.routing.dispatch), np.asarray(a.routing.dispatch)[order])
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("softmax_token_choice", {}), ("sigmoid_loss_free", {"bias_rate": 0.05}), ("remoe", {"l1_scope": "layer"}),
+])
+def test_nothing_changes_in_eval_mode(name, kw):
+    """Eval mode: no noise, no bias or lambda step, the same output twice; training mode moves them."""
+    from mini_moe import evaluate
+
+    router = routers.make_router(name, D, E, rngs=nnx.Rngs(0), **kw)
+    x = jax.random.normal(jax.random.key(1), (2, 32, D)) + 0.5
+    before = _leaves(nnx.state(router))
+    with evaluate.eval_mode(router):
+        first, second = router(x), router(x)
+    _close(_leaves(nnx.state(router)), before, rtol=0, atol=0)
+    np.testing.assert_array_equal(np.asarray(first.routing.combine), np.asarray(second.routing.combine))
+    router(x)  # training mode: the noise's RNG count, the bias or lambda moves
+    assert any(not np.array_equal(a, b) for a, b in zip(_leaves(nnx.state(router)), before))
