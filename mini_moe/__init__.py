@@ -13,12 +13,14 @@ Every module, in the order the book introduces them:
   ``make_router`` or composed by hand; :func:`~mini_moe.routers.register` adds your own.
 * :mod:`mini_moe.model` — the ViT whose MLPs can be MoE layers (V-MoE).
 * :mod:`mini_moe.config` — the ``quick`` (CPU) and ``full`` (GPU/TPU) configurations.
-* :mod:`mini_moe.data` — digits, Fashion-MNIST, tfds datasets and ``patch_vote`` (a task
-  built to need capacity), and batches.
+* :mod:`mini_moe.data` — digits, Fashion-MNIST, tfds datasets, ``patch_vote`` (a task
+  built to need capacity) and ``subtask_vote`` (a task whose right routing is known), and batches.
 * :mod:`mini_moe.augment` — random resized crops that remember their geometry, and the patch
   correspondences of two views (paper 004).
 * :mod:`mini_moe.train` — training with checkpoints and exact resume.
 * :mod:`mini_moe.evaluate` — accuracy, the 10-shot probe, routing diagnostics and mechanisms.
+* :mod:`mini_moe.diagnose` — a health report of a trained MoE, with verdicts and hints
+  (``python -m mini_moe diagnose RUN``).
 * :mod:`mini_moe.study` — the head-to-head router study and its statistics.
 * :mod:`mini_moe.confirm` — the pre-registered confirmatory study on ``patch_vote``: its design
   as code, TOST, and the runner's bookkeeping.
@@ -29,7 +31,7 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.notebook` — ``glue`` for the book's chapters.
 * :mod:`mini_moe.validate` — the argument checks every module shares, and ``InputError``, the
   one exception they raise (the command line prints it without a traceback).
-* ``python -m mini_moe`` — the command line (``train``, ``evaluate``, ``bench``, ``study``, ...).
+* ``python -m mini_moe`` — the command line (``train``, ``evaluate``, ``diagnose``, ``bench``, ``study``, ...).
 """
 
 from mini_moe import layer, losses, routers, routing, transport

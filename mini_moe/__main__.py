@@ -1,4 +1,4 @@
-"""Command line: ``python -m mini_moe {train,evaluate,bench,study} ...`` (``--help`` on each).
+"""Command line: ``python -m mini_moe {train,evaluate,diagnose,bench,study,subtasks} ...`` (``--help`` on each).
 
 A user's error (a bad argument or option value, missing data, a missing optional package:
 :class:`mini_moe.validate.InputError`, which every check of the package raises) ends in one
@@ -165,6 +165,38 @@ def _evaluate(args):
     print(f"wrote {run / 'evaluation.json'}", file=sys.stderr if args.json else sys.stdout)
 
 
+def _add_diagnose(sub):
+    p = sub.add_parser("diagnose", help="a health report of a trained MoE run: balance, drops, stability, grouping",
+                       description="Measure, per MoE layer of a folder written by 'train', the load balance, "
+                       "dropped picks and tokens, experts per token, router entropy and logit size, routing "
+                       "stability against the previous checkpoint and the batch dependence of the predictions; "
+                       "each with a verdict and a hint (mini_moe.diagnose).",
+                       **_examples("python -m mini_moe diagnose runs/patch_vote-softmax_token_choice-s0",
+                                   "python -m mini_moe diagnose runs/my-run --json",
+                                   "python -m mini_moe diagnose runs/my-run --plot health.png"))
+    p.add_argument("run", help="a folder written by 'train'")
+    p.add_argument("--images", type=int, default=2000, help="test images to measure on")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    p.add_argument("--plot", metavar="FILE", help="also write a one-page PNG dashboard")
+    p.set_defaults(func=_diagnose)
+
+
+def _diagnose(args):
+    import dataclasses
+
+    from mini_moe import diagnose
+
+    if args.images < 1:
+        raise InputError(f"--images must be >= 1, got {args.images}.")
+    report = diagnose.diagnose_run(args.run, images=args.images)
+    if args.plot:
+        diagnose.plot_report(report).savefig(args.plot, dpi=110)
+    if args.json:
+        print(json.dumps({**report, "findings": [dataclasses.asdict(f) for f in report["findings"]]}))
+    else:
+        print(diagnose.format_report(report))
+
+
 def _add_bench(sub):
     from mini_moe.bench import PARTS
 
@@ -294,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_evaluate(sub)
+    _add_diagnose(sub)
     _add_bench(sub)
     _add_study(sub)
     _add_subtasks(sub)
