@@ -15,6 +15,9 @@ TINY = dict(steps=6, batch_size=32, eval_every=3, checkpoint_every=3, eval_batch
             model_depth=2, model_heads=2, model_mlp_dim=16, model_num_experts=4, model_group_images=4)
 
 
+ACCUMULATED = nnx.jit(train.accumulated_grads, static_argnums=(3, 4))
+
+
 @pytest.fixture(scope="module")
 def digits():
     return train.load_data(config_lib.get_config("quick", dataset="digits"))
@@ -49,12 +52,13 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_an_accumulated_step_equals_one_step_on_the_whole_batch(case, digits):
     router, kw = CASES[case]
-    whole_cfg, split_cfg = _cfg(router, **kw), _cfg(router, grad_accum=4, **kw)
+    whole_cfg, split_cfg = _cfg(router, **kw), _cfg(router, grad_accum=2, **kw)
     images, labels = (jax.numpy.asarray(a) for a in train.batch_at(digits[0], whole_cfg, 0))
     # gradients, losses and the routers' state after the forward passes
     whole, split = train.make_model(whole_cfg), train.make_model(split_cfg)
-    grads, (ce, out) = nnx.grad(train._loss_fn, has_aux=True)(whole, images, labels, whole_cfg.aux_loss_weight, None)
-    acc_grads, acc_ce, acc_aux, logits, _ = train.accumulated_grads(split, images, labels, split_cfg.aux_loss_weight, 4)
+    grads, (ce, out) = nnx.jit(nnx.grad(train._loss_fn, has_aux=True), static_argnums=(3, 4))(
+        whole, images, labels, whole_cfg.aux_loss_weight, None)
+    acc_grads, acc_ce, acc_aux, logits, _ = ACCUMULATED(split, images, labels, split_cfg.aux_loss_weight, 2)
     _close(_leaves(acc_grads), _leaves(grads))
     assert float(acc_ce) == pytest.approx(float(ce), rel=1e-5)
     if case == "remoe":
@@ -82,14 +86,14 @@ def test_an_accumulated_step_equals_one_step_on_the_whole_batch(case, digits):
 
 def test_the_bias_moves_once_per_step_not_once_per_micro_batch(digits):
     """torchtitan#1304's bug: a bias updated by every micro-batch moves up to n times as far."""
-    cfg = _cfg("sigmoid_loss_free", grad_accum=4, model_router_kwargs={"bias_rate": 0.05})
+    cfg = _cfg("sigmoid_loss_free", grad_accum=2, model_router_kwargs={"bias_rate": 0.05})
     model = train.make_model(cfg)
     images, labels = (jax.numpy.asarray(a) for a in train.batch_at(digits[0], cfg, 0))
-    train.accumulated_grads(model, images, labels, cfg.aux_loss_weight, 4)
+    ACCUMULATED(model, images, labels, cfg.aux_loss_weight, 2)
     for bias in _leaves(nnx.state(model, routers.ExpertBias)):
         assert np.max(np.abs(bias)) == pytest.approx(0.05)  # one step of rate 0.05
     eager = train.make_model(dataclasses.replace(cfg, grad_accum=1))  # no deferral: the bug
-    train.accumulated_grads(eager, images, labels, cfg.aux_loss_weight, 4)
+    ACCUMULATED(eager, images, labels, cfg.aux_loss_weight, 2)
     assert max(np.max(np.abs(b)) for b in _leaves(nnx.state(eager, routers.ExpertBias))) > 0.05 + 1e-6
 
 
