@@ -1,4 +1,4 @@
-"""Command line: ``python -m mini_moe {train,evaluate,diagnose,bench,study,subtasks} ...`` (``--help`` on each).
+"""Command line: ``python -m mini_moe {train,evaluate,diagnose,labs,bench,study,subtasks} ...`` (``--help`` on each).
 
 A user's error (a bad argument or option value, missing data, a missing optional package:
 :class:`mini_moe.validate.InputError`, which every check of the package raises) ends in one
@@ -197,6 +197,41 @@ def _diagnose(args):
         print(diagnose.format_report(report))
 
 
+def _add_labs(sub):
+    p = sub.add_parser("labs", help="the graded labs: list them, or check a student's file against the library",
+                       description="Check every lab function that a student's Python file defines against the "
+                       "library (mini_moe.labs): a table of passed / failed and why, exit status 1 if one fails.",
+                       **_examples("python -m mini_moe labs list",
+                                   "python -m mini_moe labs check my_routers.py",
+                                   "python -m mini_moe labs check my_routers.py --json"))
+    p.add_argument("action", choices=["list", "check"])
+    p.add_argument("file", nargs="?", help="the student's .py file (for 'check')")
+    p.add_argument("--json", action="store_true", help="one JSON line, for an autograder")
+    p.set_defaults(func=_labs)
+
+
+def _labs(args):
+    from mini_moe import labs
+
+    if args.action == "list":
+        for name, lab in sorted(labs.LABS.items()):
+            print(f"{name:24s} def {lab.function}{lab.signature}")
+        return
+    if not args.file:
+        raise InputError("labs check needs the student's file: python -m mini_moe labs check FILE.py")
+    results = labs.check_file(args.file)
+    if args.json:
+        print(json.dumps([{"lab": r.lab, "passed": r.passed, "cases": r.cases, "message": r.message} for r in results]))
+    else:
+        for r in results:
+            print(f"{r.lab:24s} {'passed' if r.passed else 'FAILED'}")
+        for r in results:
+            if not r.passed:
+                print(f"\n{r}")
+    if not all(r.passed for r in results):
+        raise SystemExit(1)
+
+
 def _add_bench(sub):
     from mini_moe.bench import PARTS
 
@@ -327,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_evaluate(sub)
     _add_diagnose(sub)
+    _add_labs(sub)
     _add_bench(sub)
     _add_study(sub)
     _add_subtasks(sub)
