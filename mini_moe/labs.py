@@ -51,7 +51,7 @@ class Lab:
       properties: ``[(what, fn(kwargs, output) -> bool)]``: invariants a right answer has; the
         first one a wrong answer breaks is named in the report.
       hint: where in the chapter to look.
-      tolerance: ``(rtol, atol)`` for float outputs; 0/1 outputs are compared exactly.
+      tolerance: ``(rtol, atol)`` for float outputs; integer outputs are compared exactly.
     """
 
     name: str
@@ -106,9 +106,9 @@ def _show(value) -> str:
 
 def _equal(expected, actual, tolerance) -> bool:
     expected, actual = np.asarray(expected), np.asarray(actual)
-    if expected.dtype == bool or np.issubdtype(expected.dtype, np.integer) or set(np.unique(expected)) <= {0, 1}:
+    if expected.dtype == bool or np.issubdtype(expected.dtype, np.integer):  # counts, capacities: exact
         return np.array_equal(expected.astype(np.float64), actual.astype(np.float64))
-    return np.allclose(actual, expected, rtol=tolerance[0], atol=tolerance[1])
+    return np.allclose(actual, expected, rtol=tolerance[0], atol=tolerance[1])  # 0/1 dispatch is exact within it
 
 
 def check(name: str, fn: Callable, *, seed: int = 0) -> Result:
