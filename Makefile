@@ -83,8 +83,7 @@ NBVAL_PARALLEL ?= -n 2 --dist loadfile
 BOOK_CACHE := _build/.jupyter_cache
 nbval-book: venv data
 	rm -rf _build
-	PYTHONPATH=.ci $(PY) -m pytest -p nbval_record --nbval-record $(NBVAL_EXECUTED) --nbval-lax --nbval-current-env \
-	  $(NBVAL_PARALLEL) $(CHAPTERS_NB)
+	PYTHONPATH=.ci $(PY) -m pytest -p nbval_record --nbval-record $(NBVAL_EXECUTED) --nbval-lax --nbval-current-env $(NBVAL_PARALLEL) $(CHAPTERS_NB)
 	$(PY) .ci/nbval_record.py cache $(NBVAL_EXECUTED) $(BOOK_CACHE) --expect $(words $(CHAPTERS_NB))
 	$(BOOK_BUILD) --config $(BOOK_CACHE)/_config.yml
 	$(PY) .ci/nbval_record.py verify $(BOOK_CACHE)

@@ -61,6 +61,7 @@ def test_make_test_builds_the_whole_book_with_the_command_of_make_book():
     chapters = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("book/[0-9][0-9]_*.ipynb"))
     nbval = next(line for line in test if "--nbval-record" in line)
     assert nbval.split()[-len(chapters):] == chapters
+    assert "-n 2 --dist loadfile" in nbval  # two chapters at a time, one notebook per worker
     assert f"--expect {len(chapters)}" in next(line for line in test if "nbval_record.py cache" in line)
 
 
