@@ -61,9 +61,10 @@ GROUPS = {
                        for r in (DENSE, EC, EC_FROZEN)],
     # faster learning within a 10-minute run (4,000 steps here): twice the learning rate, or a
     # 2-dimensional content
-    "speed": [run(r, 0, dataset=d, steps=4000, eval_every=500, **lr) for d, lr in (
-        ("subtask_vote_d4_h1", dict(learning_rate=4e-3)), ("subtask_vote_d2_h1", {}))
-        for r in (DENSE, EC)],
+    # (split in two groups so that the two cores can run them side by side)
+    "speed_lr": [run(r, 0, dataset="subtask_vote_d4_h1", steps=4000, eval_every=500, learning_rate=4e-3)
+                 for r in (DENSE, EC)],
+    "speed_d2": [run(r, 0, dataset="subtask_vote_d2_h1", steps=4000, eval_every=500) for r in (DENSE, EC)],
 }
 
 #: Per-token probes (no ViT): one GELU MLP 49 -> width -> 10 trained with labels on the value of
@@ -159,7 +160,8 @@ def main(groups) -> None:
             run_name = name(spec)
             if run_name in done:
                 continue
-            command = f"COMMIT=1 taskset -c 1 .venv/bin/python mini_moe/results/routing_pilot.py {group}  # run {run_name}"
+            command = (f"COMMIT=1 taskset -c {os.environ.get('CORE', '1')} .venv/bin/python "
+                       f"mini_moe/results/routing_pilot.py {group}  # run {run_name}")
             entry = {"name": run_name, "group": group, "command": command, "router": spec["router"] or "dense",
                      "capacity": spec["capacity"], "seed": spec["seed"], "dataset": spec["dataset"],
                      "overrides": spec["overrides"]}
