@@ -187,6 +187,8 @@ def main(groups) -> None:
                                                     text=True).stdout.strip()
             entry["source_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "mini_moe"],
                                                         capture_output=True, text=True).stdout.strip())
+            if OUT.exists():  # another process (the other core) may have added runs since we started
+                record["runs"] = json.loads(OUT.read_text())["runs"]
             record["runs"] = [r for r in record["runs"] if r["name"] != run_name] + [entry]
             record["machine"]["date_last"] = bench.machine()["date"]
             OUT.write_text(json.dumps(record, indent=1) + "\n")
