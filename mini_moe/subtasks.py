@@ -27,7 +27,6 @@ import math
 import time
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

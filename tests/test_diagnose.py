@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
