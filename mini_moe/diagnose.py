@@ -24,7 +24,8 @@ import numpy as np
 from mini_moe import evaluate, routers
 from mini_moe.validate import InputError
 
-#: metric -> (direction, threshold): a "max" metric warns above its threshold, a "min" one below.
+#: The health thresholds, ``{metric: (direction, threshold)}``. A "max" metric warns above its
+#: threshold, a "min" one below.
 THRESHOLDS = {
     "load_max_over_mean": ("max", 2.0),
     "dropped_tokens": ("max", 0.15),

@@ -66,10 +66,10 @@ ALLOCATION_PAIRS = (
 
 # Paper 000, Figure 3: Sinkhorn Token Choice whose combine weights come from the transport
 # plan instead of the softmax. A study trains it next to the routers: variant -> (router, options).
-#: The router variants a study can train, by name, as (registered router, options).
 # Issue 34's routing controls and confound splits: the same router with its weights frozen at
 # initialisation (no learned routing), Token Choice without noise or auxiliary loss, or with the
 # Switch loss, and Expert Choice with Token Choice's logit noise.
+#: The router variants a study can train, by name, as ``{variant: (registered router, options)}``.
 VARIANTS = {
     "sinkhorn_token_choice_plan_combine": ("sinkhorn_token_choice", {"softmax_combine": False}),
     "softmax_token_choice_frozen": ("softmax_token_choice", {"frozen": True}),

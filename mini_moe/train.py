@@ -121,7 +121,7 @@ def train_step(model, optimizer, images, labels, aux_weight: float, mesh=None):
 
 
 def accumulated_grads(model, images, labels, aux_weight: float, micro_batches: int):
-    """Gradient accumulation: the gradients of :func:`_loss_fn` on ``images [B, ...]`` computed
+    """Gradient accumulation: the gradients of the training loss (``_loss_fn``) on ``images [B, ...]`` computed
     over ``micro_batches`` equal slices of whole routing groups, averaged, with the routers'
     own state (DeepSeek-V3's bias, ReMoE's lambda) updated once from the whole batch at the
     end (:meth:`~mini_moe.model.VisionMoE.apply_deferred_updates`; the routers must be in
