@@ -36,8 +36,12 @@ import numpy as np
 from mini_moe import bench, data, evaluate, study, train
 
 MACHINE = os.environ.get("MACHINE", "cpu-2core-xeon")
-OUT = pathlib.Path(f"mini_moe/results/routing-pilot-{MACHINE}.json")
-RUNS = pathlib.Path("runs/routing-pilot")
+# On a lent accelerator (no git there): PILOT_OUT and PILOT_RUNS move the record and the runs,
+# SOURCE_COMMIT / SOURCE_DIRTY say which checkout was sent, DEADLINE (seconds) stops starting runs
+# that would not finish in time.
+OUT = pathlib.Path(os.environ.get("PILOT_OUT", f"mini_moe/results/routing-pilot-{MACHINE}.json"))
+RUNS = pathlib.Path(os.environ.get("PILOT_RUNS", "runs/routing-pilot"))
+DEADLINE = time.monotonic() + float(os.environ.get("DEADLINE", "inf"))
 VALIDATION = 10_000
 
 DENSE, TC, EC, HASH = None, "softmax_token_choice", "softmax_expert_choice", "hash"
@@ -66,6 +70,14 @@ GROUPS = {
                  for r in (DENSE, EC)],
     "speed_d2": [run(r, 0, dataset="subtask_vote_d2_h1", steps=4000, eval_every=500) for r in (DENSE, EC)],
 }
+# On a lent H100 (device tool, one call, one process per arm side by side on the GPU):
+# calibrate_long's task twice as long, with every routing arm and two seeds: does learned routing
+# find the sub-tasks given time, and beat frozen or hashed routing? max_seconds bounds a run so that
+# the call returns within its limit (a capped run records the steps it reached).
+for _label, _router in (("dense", DENSE), ("ec", EC), ("ec_frozen", EC_FROZEN), ("tc", TC),
+                        ("tc_frozen", TC_FROZEN), ("hash", HASH)):
+    GROUPS[f"gpu_long_{_label}"] = [run(_router, s, dataset="subtask_vote_d4_h1", steps=12000, eval_every=1000,
+                                        max_seconds=400) for s in (0, 1)]
 
 #: Per-token probes (no ViT): one GELU MLP 49 -> width -> 10 trained with labels on the value of
 #: single patches, on one sub-task's patches or on all eight (``"tasks"``), 3,000 Adam steps
@@ -155,13 +167,19 @@ def main(groups) -> None:
         if os.environ.get("COMMIT") == "1":
             subprocess.run(["bash", "-c", f'source mini_moe/results/commit_result.sh && '
                             f'commit_result {OUT} "issue 34 pilot: {group}"'], check=False)
+    last_wall = 0.0
     for group in [g for g in groups if g not in PROBES]:
         for spec in GROUPS[group]:
             run_name = name(spec)
             if run_name in done:
                 continue
-            command = (f"COMMIT=1 taskset -c {os.environ.get('CORE', '1')} .venv/bin/python "
-                       f"mini_moe/results/routing_pilot.py {group}  # run {run_name}")
+            if time.monotonic() + 1.1 * last_wall > DEADLINE:
+                print(f"{run_name}: not started (DEADLINE)", flush=True)
+                continue
+            command = os.environ.get("PILOT_COMMAND") or (
+                f"COMMIT=1 taskset -c {os.environ.get('CORE', '1')} .venv/bin/python "
+                f"mini_moe/results/routing_pilot.py {group}")
+            command += f"  # run {run_name}"
             entry = {"name": run_name, "group": group, "command": command, "router": spec["router"] or "dense",
                      "capacity": spec["capacity"], "seed": spec["seed"], "dataset": spec["dataset"],
                      "overrides": spec["overrides"]}
@@ -183,10 +201,12 @@ def main(groups) -> None:
                 entry |= {"status": "failed", "error": f"{type(e).__name__}: {e}",
                           "traceback": traceback.format_exc()[-2000:],
                           "wall_seconds": round(time.perf_counter() - tick, 1)}
-            entry["source_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                    text=True).stdout.strip()
-            entry["source_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "mini_moe"],
-                                                        capture_output=True, text=True).stdout.strip())
+            last_wall = entry["wall_seconds"]
+            entry["source_commit"] = os.environ.get("SOURCE_COMMIT") or subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            entry["source_dirty"] = (os.environ["SOURCE_DIRTY"] == "1" if "SOURCE_DIRTY" in os.environ else
+                                     bool(subprocess.run(["git", "status", "--porcelain", "--", "mini_moe"],
+                                                         capture_output=True, text=True).stdout.strip()))
             if OUT.exists():  # another process (the other core) may have added runs since we started
                 record["runs"] = json.loads(OUT.read_text())["runs"]
             record["runs"] = [r for r in record["runs"] if r["name"] != run_name] + [entry]
