@@ -38,7 +38,7 @@ from mini_moe import bench, data, evaluate, study, train
 MACHINE = os.environ.get("MACHINE", "cpu-2core-xeon")
 # On a lent accelerator (no git there): PILOT_OUT and PILOT_RUNS move the record and the runs,
 # SOURCE_COMMIT / SOURCE_DIRTY say which checkout was sent, DEADLINE (seconds) stops starting runs
-# that would not finish in time.
+# that would not finish in time, SEEDS (e.g. "0,1") runs only those seeds.
 OUT = pathlib.Path(os.environ.get("PILOT_OUT", f"mini_moe/results/routing-pilot-{MACHINE}.json"))
 RUNS = pathlib.Path(os.environ.get("PILOT_RUNS", "runs/routing-pilot"))
 DEADLINE = time.monotonic() + float(os.environ.get("DEADLINE", "inf"))
@@ -171,7 +171,7 @@ def main(groups) -> None:
     for group in [g for g in groups if g not in PROBES]:
         for spec in GROUPS[group]:
             run_name = name(spec)
-            if run_name in done:
+            if run_name in done or (os.environ.get("SEEDS") and str(spec["seed"]) not in os.environ["SEEDS"].split(",")):
                 continue
             if time.monotonic() + 1.1 * last_wall > DEADLINE:
                 print(f"{run_name}: not started (DEADLINE)", flush=True)
