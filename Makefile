@@ -19,7 +19,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data data-apt data-tfds book nbval-book book-selfcheck test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
+.PHONY: venv data data-apt data-tfds book nbval-book book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
 
 venv: $(STAMP)
 
@@ -72,6 +72,11 @@ book: venv data
 	@echo "HTML: _build/html/index.html"
 	$(COLAB_NOTEBOOKS)
 
+# The book without executing a chapter (.ci/book_static.py, about 25 s): the API page and every
+# reference under -n, so that a docstring that breaks the nitpicky build fails in CI's first minutes.
+book-static: venv
+	$(PY) .ci/book_static.py
+
 # CI's book: every chapter under nbval, then the whole book built by BOOK_BUILD from what nbval's
 # kernels computed, so each chapter is executed once (.ci/nbval_record.py): nbval fails on a cell
 # error, the build on any warning, and `verify` if the build had to execute a chapter itself.
@@ -90,7 +95,7 @@ nbval-book: venv data
 	@echo "HTML: _build/html/index.html"
 	$(COLAB_NOTEBOOKS)
 
-test: check-notebooks lint-workflows dist unit nbval-book browser-check book-selfcheck
+test: check-notebooks book-static lint-workflows dist unit nbval-book browser-check book-selfcheck
 
 # pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores).
 # UNIT_ENV: environment for the unit tests, e.g. UNIT_ENV="XLA_FLAGS=--xla_cpu_max_isa=AVX2" (.ci/run).
