@@ -98,6 +98,8 @@ class Result:
 
 
 def _show(value) -> str:
+    if isinstance(value, (tuple, list)):  # several outputs, e.g. (order, group_sizes)
+        return "(" + ", ".join(_show(v) for v in value) + ")"
     array = np.asarray(value)
     if array.ndim == 0:
         return repr(array.item())
@@ -152,6 +154,15 @@ def _inputs(kwargs) -> str:
     return "; ".join(f"{k} = {_show(v)}" for k, v in kwargs.items())
 
 
+def _holds(prop, kwargs, actual) -> bool:
+    """A property of the student's output; one it cannot even be evaluated on (an index out of
+    range, a wrong type) is broken."""
+    try:
+        return bool(prop(kwargs, actual))
+    except Exception:
+        return False
+
+
 def _compare(lab, label, kwargs, expected, actual) -> str | None:
     expected_tree, actual_tree = jax.tree.leaves(expected), jax.tree.leaves(actual)
     if len(expected_tree) != len(actual_tree):
@@ -165,7 +176,7 @@ def _compare(lab, label, kwargs, expected, actual) -> str | None:
                     f"  actual: {_show(a)}\n  hint: {lab.hint}")
     if all(_equal(e, a, lab.tolerance) for e, a in zip(expected_tree, actual_tree)):
         return None
-    broken = next((what for what, holds in lab.properties if not holds(kwargs, actual)), None)
+    broken = next((what for what, holds in lab.properties if not _holds(holds, kwargs, actual)), None)
     return (f"case '{label}': the output differs from the library's.\n"
             + (f"  property broken: {broken}\n" if broken else "")
             + f"  inputs: {_inputs(kwargs)}\n  expected: {_show(expected if len(expected_tree) > 1 else expected_tree[0])}\n"
@@ -334,6 +345,104 @@ register(Lab(
                 ("a token's combine weights do not sum to 1 over all slots",
                  lambda kw, out: np.allclose(np.asarray(out[1]).sum((1, 2)), 1, atol=1e-5))),
     hint="chapter 6, 'Slots': which axis is each softmax over?",
+))
+
+
+def _prc_cases(rng):
+    """View-1 / view-2 router distributions with their correspondences; edge cases first."""
+    def case(label, b, p1, p2, e, valid=None):
+        probs1 = _softmax(rng.normal(size=(b, p1, e)) * 2)
+        probs2 = _softmax(rng.normal(size=(b, p2, e)) * 2)
+        index = rng.integers(0, p2, size=(b, p1)).astype(np.int32)
+        valid = rng.random((b, p1)) < 0.7 if valid is None else np.broadcast_to(valid, (b, p1)).copy()
+        return label, dict(probs1=probs1, probs2=probs2, index=index, valid=valid)
+
+    return [case("one expert", 1, 3, 2, 1, True), case("every pair valid", 2, 4, 3, 2, True),
+            case("no valid pair", 1, 4, 4, 3, False), case("one valid pair", 1, 3, 3, 4, np.array([False, True, False]))] + [
+        case(f"random {i}", int(rng.integers(1, 4)), int(rng.integers(2, 9)), int(rng.integers(2, 9)),
+             int(rng.integers(2, 7))) for i in range(6)]
+
+
+register(Lab(
+    name="ch07.prc_loss",
+    signature="(probs1, probs2, index, valid)",
+    doc="Pairwise Router Consistency (paper 004, eq. 3-6; lambda_diag = 5e-3, lambda_offdiag = 5e-2): probs1 "
+        "[B, P1, E] and probs2 [B, P2, E] router distributions of two views, index [B, P1] the view-2 partner of each "
+        "view-1 patch, valid [B, P1] whether it has one. S = E / |U| * sum over valid pairs of r1 r2^T ([E, E]; "
+        "|U| = the number of valid pairs, at least 1); the loss is lambda_diag / E * sum_i (1 - S_ii)^2 + "
+        "lambda_offdiag / (E (E - 1)) * sum_{i != j} S_ij^2 (that denominator at least 1). A scalar.",
+    reference=lambda probs1, probs2, index, valid: losses.pairwise_router_consistency(
+        jnp.asarray(probs1), jnp.asarray(probs2), jnp.asarray(index), jnp.asarray(valid)),
+    cases=_prc_cases,
+    properties=(("the loss is negative", lambda kw, out: float(out) >= 0),),
+    tolerance=(1e-5, 1e-7),
+    hint="chapter 7, 'The loss, eq. (3)-(6)': which pairs count, what S is normalised by, and which sum runs over "
+         "the diagonal only.",
+))
+
+register(Lab(
+    name="ch12.bias_step",
+    signature="(bias, load, rate)",
+    doc="One update of auxiliary-loss-free balancing's expert bias (DeepSeek-V3, Sec. 2.1.2): bias [E], load [E] "
+        "(picks per expert over the whole batch), rate u -> the new bias [E]: b_e + u * sign(mean load - load_e).",
+    reference=lambda bias, load, rate: routing.loss_free_bias_step(jnp.asarray(bias), jnp.asarray(load), rate),
+    cases=lambda rng: [
+        ("every expert at the mean", dict(bias=np.zeros(4, np.float32), load=np.full(4, 3.0, np.float32), rate=1e-3)),
+        ("one expert takes everything", dict(bias=np.zeros(4, np.float32), load=np.array([8.0, 0, 0, 0], np.float32),
+                                             rate=1e-3)),
+        ("an expert exactly at the mean", dict(bias=np.array([0.1, -0.2, 0.0], np.float32),
+                                               load=np.array([1.0, 2.0, 3.0], np.float32), rate=0.01)),
+    ] + [(f"random {i}", dict(bias=rng.normal(size=e).astype(np.float32) * 0.01,
+                              load=rng.integers(0, 20, size=e).astype(np.float32), rate=float(rng.choice([1e-3, 0.1]))))
+         for i, e in enumerate(rng.integers(2, 9, size=6))],
+    properties=(("an overloaded expert's bias rose (it must fall)",
+                 lambda kw, out: bool(np.all((np.asarray(out) - kw["bias"])[kw["load"] > kw["load"].mean()] <= 0))),),
+    tolerance=(0, 1e-7),
+    hint="chapter 12, 'The balance constraint and its dual': which way does an overloaded expert's bias move, and "
+         "by how much?",
+))
+
+register(Lab(
+    name="ch12.group_limit",
+    signature="(scores, num_groups, top_groups)",
+    doc="Group-limited routing (DeepSeek-V3, Sec. 2.1.2; node-limited in V2): scores [T, E]; the E experts form "
+        "num_groups equal groups of consecutive experts; a group scores the sum of its two highest scores (its highest "
+        "when it holds one expert); each token keeps its top_groups best groups (ties: the lower group). Returns a "
+        "bool [T, E], True where the expert's group is kept.",
+    reference=lambda scores, num_groups, top_groups: routing.group_limit(jnp.asarray(scores), num_groups, top_groups),
+    cases=lambda rng: [
+        ("one group", dict(scores=rng.random((3, 4)).astype(np.float32), num_groups=1, top_groups=1)),
+        ("one expert per group", dict(scores=rng.random((3, 4)).astype(np.float32), num_groups=4, top_groups=2)),
+        ("ties between groups", dict(scores=np.full((2, 6), 0.5, np.float32), num_groups=3, top_groups=1)),
+        ("a group with one strong expert", dict(scores=np.array([[0.9, 0.0, 0.0, 0.5, 0.5, 0.0]], np.float32),
+                                                num_groups=2, top_groups=1)),
+    ] + [(f"random {i}", dict(scores=rng.random((int(rng.integers(1, 7)), int(g * size))).astype(np.float32),
+                              num_groups=int(g), top_groups=int(rng.integers(1, g + 1))))
+         for i, (g, size) in enumerate(zip(rng.integers(2, 5, size=6), rng.integers(1, 4, size=6)))],
+    properties=(("a token does not keep exactly top_groups groups",
+                 lambda kw, out: bool(np.all(np.asarray(out).sum(-1) == kw["top_groups"] * kw["scores"].shape[-1]
+                                             // kw["num_groups"]))),),
+    hint="DeepSeek-V3 Sec. 2.1.2 (chapter 12's paper): a group's score is a sum of its two best, not its best "
+         "alone, and the kept groups are those of the highest group scores.",
+))
+
+register(Lab(
+    name="ch13.sort_by_expert",
+    signature="(expert, num_experts)",
+    doc="The dropless layout: expert [M] int (the expert of each pick) -> (order [M], group_sizes [E]): order "
+        "lists the picks grouped by expert (expert[order] sorted, picks of one expert in their original order), "
+        "group_sizes[e] the number of picks of expert e.",
+    reference=lambda expert, num_experts: routing.sort_by_expert(jnp.asarray(expert), num_experts),
+    cases=lambda rng: [
+        ("one pick", dict(expert=np.array([2], np.int32), num_experts=3)),
+        ("every pick to one expert", dict(expert=np.full(5, 1, np.int32), num_experts=3)),
+        ("an expert with no pick", dict(expert=np.array([0, 2, 0, 2], np.int32), num_experts=3)),
+    ] + [(f"random {i}", dict(expert=rng.integers(0, e, size=int(rng.integers(1, 20))).astype(np.int32),
+                              num_experts=int(e))) for i, e in enumerate(rng.integers(2, 9, size=6))],
+    properties=(("expert[order] is not sorted",
+                 lambda kw, out: bool(np.all(np.diff(kw["expert"][np.asarray(out[0])]) >= 0))),),
+    hint="chapter 13, 'Dropless Token Choice': a stable sort keeps a token's place among its expert's rows; what "
+         "counts the rows per expert?",
 ))
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from mini_moe.routing import Routing
+from mini_moe.routing import Routing, sort_by_expert
 from mini_moe.validate import InputError
 
 Array = Any
@@ -131,9 +131,8 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
     _, picks = jax.lax.top_k(scores.reshape(-1, num_experts), k)  # [N, k]
     gates = jnp.take_along_axis(weights.reshape(-1, num_experts), picks, axis=-1)  # [N, k]
     expert = picks.reshape(-1)  # [N k], pick j of token n at n * k + j
-    order = jnp.argsort(expert, stable=True)  # picks grouped by expert
+    order, group_sizes = sort_by_expert(expert, num_experts)  # picks grouped by expert
     token = order // k
-    group_sizes = jnp.bincount(expert, length=num_experts).astype(jnp.int32)
     rows = experts.ragged(tokens[token], expert[order], group_sizes)  # [N k, D_out]
     rows = rows * gates.reshape(-1)[order][:, None].astype(rows.dtype)
     out = jnp.zeros((tokens.shape[0], rows.shape[-1]), rows.dtype).at[token].add(rows)

@@ -262,7 +262,7 @@ class SigmoidGates(Affinity):
     def update_bias(self, load: Array) -> None:
         """One step of the bias from the picks per expert ``load [E]`` of a whole batch:
         ``b_e += bias_rate * sign(mean load - load_e)``."""
-        self.bias[...] = self.bias[...] + self.bias_rate * jnp.sign(jnp.mean(load) - load)
+        self.bias[...] = routing.loss_free_bias_step(self.bias[...], load, self.bias_rate)
 
     def check(self, k: int) -> None:
         """k picks must fit inside the kept groups."""
@@ -272,14 +272,11 @@ class SigmoidGates(Affinity):
                              f"{self.num_experts // self.num_groups} experts; raise top_groups or lower k.")
 
     def _limit_groups(self, biased: Array) -> Array:
-        """``biased`` with the experts outside each token's ``top_groups`` best groups at -inf."""
+        """``biased`` with the experts outside each token's ``top_groups`` best groups at -inf
+        (:func:`mini_moe.routing.group_limit`)."""
         if self.num_groups == 1:
             return biased
-        size = self.num_experts // self.num_groups
-        grouped = biased.reshape(*biased.shape[:-1], self.num_groups, size)  # [..., T, G, E/G]
-        group_score = jax.lax.top_k(grouped, min(2, size))[0].sum(-1)  # [..., T, G]
-        keep = jax.nn.one_hot(jax.lax.top_k(group_score, self.top_groups)[1], self.num_groups).sum(-2) > 0
-        return jnp.where(jnp.repeat(keep, size, axis=-1), biased, -jnp.inf)
+        return jnp.where(routing.group_limit(biased, self.num_groups, self.top_groups), biased, -jnp.inf)
 
     def __call__(self, x: Array, budget: Budget) -> Affinities:
         self.check(budget.k)

@@ -348,6 +348,46 @@ def pick_load(scores: Array, *, k: int = 1, min_score: float | None = None) -> A
     return counts.reshape(-1, num_experts).sum(0)
 
 
+def group_limit(scores: Array, num_groups: int, top_groups: int) -> Array:
+    """Group-limited routing (DeepSeek-V2/V3, node-limited): which experts a token may pick.
+
+    The E experts form ``num_groups`` equal groups of consecutive experts (a group = a device or a
+    node in a deployment). A group's score is the sum of its two highest scores (its highest when
+    it holds one expert); each token keeps its ``top_groups`` best groups (ties: the lower group)
+    and may pick only inside them. ``scores [..., T, E]`` (DeepSeek-V3: the *biased* scores) ->
+    ``bool [..., T, E]``, True where the expert's group is kept.
+    """
+    num_experts = np.shape(scores)[-1]
+    if num_experts % num_groups or not 1 <= top_groups <= num_groups:
+        raise InputError(f"num_groups must divide E={num_experts} and 1 <= top_groups <= num_groups, "
+                         f"got num_groups={num_groups}, top_groups={top_groups}.")
+    size = num_experts // num_groups
+    grouped = jnp.reshape(scores, (*np.shape(scores)[:-1], num_groups, size))  # [..., T, G, E/G]
+    group_score = jax.lax.top_k(grouped, min(2, size))[0].sum(-1)  # [..., T, G]
+    keep = jax.nn.one_hot(jax.lax.top_k(group_score, top_groups)[1], num_groups, dtype=jnp.int32).sum(-2) > 0
+    return jnp.repeat(keep, size, axis=-1)
+
+
+def sort_by_expert(expert: Array, num_experts: int) -> tuple[Array, Array]:
+    """The dropless layout (chapter 13; MegaBlocks, arXiv 2211.15841): the picks grouped by expert.
+
+    ``expert [M]`` int, the expert of each pick (pick j of token n at ``n * k + j``) ->
+    ``(order [M], group_sizes [E] int32)``: ``expert[order]`` is sorted, picks of one expert keep
+    their order (a stable sort), and ``group_sizes[e]`` picks go to expert e, so expert e's rows
+    are the contiguous block ``order[sum(group_sizes[:e]) : sum(group_sizes[:e + 1])]``.
+    """
+    order = jnp.argsort(expert, stable=True)
+    return order, jnp.bincount(expert, length=num_experts).astype(jnp.int32)
+
+
+def loss_free_bias_step(bias: Array, load: Array, rate: float) -> Array:
+    """One update of auxiliary-loss-free balancing's expert bias (Wang et al. 2024, arXiv
+    2408.15664, Algorithm 1; DeepSeek-V3 Sec. 2.1.2): ``b_e + rate * sign(mean load - load_e)``.
+    An overloaded expert's bias falls, an underloaded one's rises, one at mean load stays.
+    ``bias [E]``, ``load [E]`` (picks per expert over the whole batch) -> ``[E]``."""
+    return bias + rate * jnp.sign(jnp.mean(load) - load)
+
+
 def max_violation(load: Array) -> Array:
     """``max_e load_e / mean_e load_e - 1``, the "MaxVio" of Wang et al. 2024 (arXiv 2408.15664,
     eq. 6): 0 when every expert gets the same load, ``E - 1`` when one expert gets all of it

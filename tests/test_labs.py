@@ -93,7 +93,51 @@ MUTANTS = {
         lambda logits: (jax.nn.softmax(logits, 0), jax.nn.softmax(logits, -1)),  # combine within one expert's slots
         lambda logits: (jax.nn.softmax(logits, 0), jax.nn.softmax(logits, 0)),  # both over tokens
     ],
+    "ch07.prc_loss": [
+        lambda probs1, probs2, index, valid: _prc(probs1, probs2, index, valid, pairs="all"),  # |U| counts every patch
+        lambda probs1, probs2, index, valid: _prc(probs1, probs2, index, valid, offdiag_norm="E^2"),
+        lambda probs1, probs2, index, valid: _prc(probs1, probs2, index, valid, partner="same index"),
+    ],
+    "ch12.bias_step": [
+        lambda bias, load, rate: bias + rate * jnp.sign(load - jnp.mean(load)),  # the wrong way round
+        lambda bias, load, rate: bias + rate * (jnp.mean(load) - load),  # proportional, not the sign
+        lambda bias, load, rate: bias + rate * jnp.minimum(jnp.sign(jnp.mean(load) - load), 0),  # only lowers
+    ],
+    "ch12.group_limit": [
+        lambda scores, num_groups, top_groups: _group_limit(scores, num_groups, top_groups, best=1),  # best only
+        lambda scores, num_groups, top_groups: _group_limit(scores, num_groups, top_groups, best=None),  # sum of all
+        # ties towards the higher group
+        lambda scores, num_groups, top_groups: _group_limit(scores[:, ::-1], num_groups, top_groups)[:, ::-1],
+    ],
+    "ch13.sort_by_expert": [
+        lambda expert, num_experts: (jnp.argsort(-expert, stable=True)[::-1],
+                                     jnp.bincount(expert, length=num_experts)),  # unstable within an expert
+        lambda expert, num_experts: (jnp.argsort(expert, stable=True), jnp.bincount(expert)),  # misses empty experts
+        lambda expert, num_experts: (jnp.sort(expert), jnp.bincount(expert, length=num_experts)),  # values, not order
+    ],
 }
+
+
+def _prc(probs1, probs2, index, valid, *, pairs="valid", offdiag_norm="E(E-1)", partner="index"):
+    """Paper 004's loss with one typical mistake."""
+    e = probs1.shape[-1]
+    other = jnp.take_along_axis(probs2, index[..., None], 1) if partner == "index" else probs2[:, :probs1.shape[1]]
+    if other.shape != probs1.shape:
+        other = jnp.resize(other, probs1.shape)
+    weight = valid[..., None].astype(probs1.dtype)
+    count = jnp.maximum(valid.sum(), 1) if pairs == "valid" else valid.size
+    s = e / count * jnp.einsum("bpi,bpj->ij", probs1 * weight, other)
+    off = jnp.sum((s * (1 - jnp.eye(e))) ** 2) / (max(e * (e - 1), 1) if offdiag_norm == "E(E-1)" else e * e)
+    return 5e-3 / e * jnp.sum((1 - jnp.diag(s)) ** 2) + 5e-2 * off
+
+
+def _group_limit(scores, num_groups, top_groups, best=2):
+    t, e = scores.shape
+    grouped = jnp.asarray(scores).reshape(t, num_groups, e // num_groups)
+    size = e // num_groups
+    score = grouped.sum(-1) if best is None else jax.lax.top_k(grouped, min(best, size))[0].sum(-1)
+    keep = jax.nn.one_hot(jax.lax.top_k(score, top_groups)[1], num_groups).sum(-2) > 0
+    return jnp.repeat(keep, size, -1)
 
 
 def _picked(probs, k):
