@@ -98,7 +98,8 @@ nbval-book: venv data
 test: check-notebooks book-static lint-workflows dist unit nbval-book browser-check book-selfcheck
 
 # pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores).
-# UNIT_ENV: environment for the unit tests, e.g. UNIT_ENV="XLA_FLAGS=--xla_cpu_max_isa=AVX2" (.ci/run).
+# UNIT_ENV: environment for the unit tests, e.g. UNIT_ENV="XLA_FLAGS=--xla_cpu_max_isa=AVX2" (.ci/run
+# adds --xla_backend_optimization_level=0).
 UNIT_ENV ?=
 unit: venv data
 	$(UNIT_ENV) $(PY) -m pytest -n auto tests --durations=30
