@@ -22,6 +22,7 @@ gather path.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -139,10 +140,103 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
     return out.reshape(x.shape[:-1] + (rows.shape[-1],))
 
 
-GROUPED_KERNELS = ("auto", "ragged_dot", "megablox")
+GROUPED_KERNELS = ("auto", "ragged_dot", "megablox", "blocked")
 
 
-def grouped_matmul(rows: Array, weights: Array, group_sizes: Array, *, kernel: str = "auto") -> Array:
+def block_layout(group_sizes: Array, num_rows: int, block: int) -> tuple[Array, Array, int]:
+    """The block-sparse layout of rows sorted by group (MegaBlocks, arXiv 2211.15841): every
+    group's rows padded to a whole number of ``block``-row blocks.
+
+    ``group_sizes [G]`` (int; their sum at most ``num_rows``) -> ``(dest [M], block_group [B],
+    B)``: row i goes to padded row ``dest[i]`` (``B * block`` when it belongs to no group),
+    block j holds rows of group ``block_group[j]`` (G for a block no group uses), and
+    ``B = ceil(M / block) + G - 1`` is the static bound on the blocks (each group adds at most
+    one partial block).
+    """
+    num_groups = group_sizes.shape[0]
+    num_blocks = -(-num_rows // block) + num_groups - 1
+    ends = jnp.cumsum(group_sizes)
+    padded_ends = jnp.cumsum(-(-group_sizes // block) * block)
+    row = jnp.arange(num_rows)
+    group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_groups - 1)
+    first = ends[group] - group_sizes[group]
+    padded_first = padded_ends[group] - (-(-group_sizes[group] // block) * block)
+    dest = jnp.where(row < ends[-1], padded_first + row - first, num_blocks * block)
+    block_group = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right")
+    return dest, block_group, num_blocks
+
+
+def _per_block(fn, blocks, block_group, num_groups, out_shape, dtype):
+    """``fn(block, g)`` for every block of a used group, zeros for the unused ones (not computed)."""
+    def one(args):
+        x, g = args
+        return jax.lax.cond(g < num_groups, lambda: fn(x, jnp.minimum(g, num_groups - 1)),
+                            lambda: jnp.zeros(out_shape, dtype))
+    return jax.lax.map(one, (blocks, block_group))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def blocked_matmul(rows: Array, weights: Array, group_sizes: Array, block: int) -> Array:
+    """Block-sparse grouped matmul in plain JAX: ``rows [M, K]`` sorted by group, ``weights
+    [G, K, N]``, ``group_sizes [G]`` -> ``[M, N]``, the rows of group g times ``weights[g]``.
+
+    The rows are laid out in blocks of ``block`` rows, each holding one group's rows
+    (:func:`block_layout`), and every used block is multiplied by its own group's matrix only
+    (``jax.lax.map`` over the blocks, a ``cond`` skipping the unused ones): the work is that of the
+    rows plus at most ``block - 1`` padding rows per group, against G times the rows for a generic
+    ``ragged_dot``. The backward pass (a custom VJP) has the same layout: ``d rows`` block by
+    block, ``d weights[g]`` accumulated over group g's blocks in place. XLA's cost analysis counts
+    a loop's body once, so ``python -m mini_moe bench --only dropless`` reports the executed FLOPs
+    from the used blocks instead.
+    """
+    return _blocked_forward(rows, weights, group_sizes, block)[0]
+
+
+def _blocked_forward(rows, weights, group_sizes, block):
+    (m, k), (g, _, n) = rows.shape, weights.shape
+    dest, block_group, num_blocks = block_layout(group_sizes, m, block)
+    blocks = jnp.zeros((num_blocks * block, k), rows.dtype).at[dest].set(rows, mode="drop")
+    blocks = blocks.reshape(num_blocks, block, k)
+    out = _per_block(lambda x, e: x @ weights[e], blocks, block_group, g, (block, n), rows.dtype)
+    out = out.reshape(num_blocks * block, n).at[dest].get(mode="fill", fill_value=0)
+    return out, (blocks, weights, dest, block_group)
+
+
+def _blocked_fwd(rows, weights, group_sizes, block):
+    out, residuals = _blocked_forward(rows, weights, group_sizes, block)
+    return out, (*residuals, group_sizes)
+
+
+def _blocked_bwd(block, residuals, d_out):
+    blocks, weights, dest, block_group, group_sizes = residuals
+    (num_blocks, _, k), (g, _, n) = blocks.shape, weights.shape
+    d_blocks = jnp.zeros((num_blocks * block, n), d_out.dtype).at[dest].set(d_out, mode="drop")
+    d_blocks = d_blocks.reshape(num_blocks, block, n)
+    d_rows = _per_block(lambda dy, e: dy @ weights[e].T, d_blocks, block_group, g, (block, k), d_out.dtype)
+    d_rows = d_rows.reshape(num_blocks * block, k).at[dest].get(mode="fill", fill_value=0)
+
+    def accumulate(d_weights, args):
+        x, dy, e = args
+        return jax.lax.cond(e < g, lambda: d_weights.at[jnp.minimum(e, g - 1)].add(x.T @ dy),
+                            lambda: d_weights), None
+
+    d_weights, _ = jax.lax.scan(accumulate, jnp.zeros(weights.shape, weights.dtype), (blocks, d_blocks, block_group))
+    return d_rows.astype(blocks.dtype), d_weights, None
+
+
+blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
+
+
+def default_block(num_rows: int, num_groups: int) -> int:
+    """The block size of :func:`blocked_matmul` when none is given: the largest power of two at
+    most ``M / (4 G)`` (between 1 and 128), so that the padding, about ``block / 2`` rows per
+    group, stays near an eighth of the rows."""
+    target = max(1, min(128, num_rows // (4 * num_groups)))
+    return 1 << (target.bit_length() - 1)
+
+
+def grouped_matmul(rows: Array, weights: Array, group_sizes: Array, *, kernel: str = "auto",
+                   block: int | None = None) -> Array:
     """Rows sorted by group times their group's matrix: ``rows [M, K]``, ``weights [G, K, N]``,
     ``group_sizes [G]`` (int32; the first ``group_sizes[0]`` rows use ``weights[0]``, ...) ->
     ``[M, N]``.
@@ -151,11 +245,17 @@ def grouped_matmul(rows: Array, weights: Array, group_sizes: Array, *, kernel: s
     CPU, a generic lowering that does about G times a grouped matmul's FLOPs; ``python -m mini_moe
     bench --only dropless`` measures it). ``"megablox"``: the Pallas grouped-matmul kernel of
     ``jax.experimental.pallas.ops.tpu.megablox`` (differentiable; compiled on a TPU, run by
-    Pallas' interpreter elsewhere, which is how the tests check it). ``"auto"``: megablox on a
-    TPU, ragged_dot elsewhere.
+    Pallas' interpreter elsewhere, which is how the tests check it). ``"blocked"``:
+    :func:`blocked_matmul`, plain JAX on any backend (``block`` rows per block, default
+    :func:`default_block`). ``"auto"``: megablox on a TPU, ragged_dot elsewhere.
     """
     if kernel not in GROUPED_KERNELS:
         raise InputError(f"kernel must be one of {GROUPED_KERNELS}, got {kernel!r}.")
+    if kernel == "blocked":
+        size = default_block(rows.shape[0], weights.shape[0]) if block is None else block
+        if not (isinstance(size, int) and size >= 1):
+            raise InputError(f"block must be an int >= 1, got {block!r}.")
+        return blocked_matmul(rows, weights, jnp.asarray(group_sizes, jnp.int32), size)
     on_tpu = jax.default_backend() == "tpu"
     if kernel == "ragged_dot" or (kernel == "auto" and not on_tpu):
         return jax.lax.ragged_dot(rows, weights, group_sizes)
@@ -187,7 +287,11 @@ class MlpExperts(nnx.Module):
     input's dtype (bfloat16 inputs: bfloat16 matmuls, mixed precision).
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden: int, out_dim: int | None = None, *, rngs: nnx.Rngs):
+    def __init__(self, num_experts: int, dim: int, hidden: int, out_dim: int | None = None, *, rngs: nnx.Rngs,
+                 kernel: str = "auto"):
+        if kernel not in GROUPED_KERNELS:
+            raise InputError(f"kernel must be one of {GROUPED_KERNELS}, got {kernel!r}.")
+        self.kernel = kernel  # the grouped matmul of the dropless path (:meth:`ragged`)
         out_dim = dim if out_dim is None else out_dim
         # Every parameter is annotated with its leading expert axis (Flax sharding metadata), which
         # is what mini_moe.parallel.shard_model reads; nothing is placed until then.
@@ -204,11 +308,10 @@ class MlpExperts(nnx.Module):
         """Apply expert e to its block of ``rows`` ``[M, D]``, sorted by expert: the first
         ``group_sizes[0]`` rows go through expert 0, the next ``group_sizes[1]`` through expert 1,
         and so on (``expert [M]`` names each row's expert, for the biases). Two grouped matmuls
-        (:func:`grouped_matmul`: megablox's kernel on a TPU, ``jax.lax.ragged_dot`` elsewhere);
-        returns ``[M, D_out]``."""
+        (:func:`grouped_matmul` with this module's ``kernel``); returns ``[M, D_out]``."""
         w1, b1, w2, b2 = self._weights(rows.dtype)
-        h = jax.nn.gelu(grouped_matmul(rows, w1, group_sizes) + b1[expert, 0])
-        return grouped_matmul(h, w2, group_sizes) + b2[expert, 0]
+        h = jax.nn.gelu(grouped_matmul(rows, w1, group_sizes, kernel=self.kernel) + b1[expert, 0])
+        return grouped_matmul(h, w2, group_sizes, kernel=self.kernel) + b2[expert, 0]
 
     def _weights(self, dtype):
         """The parameters cast to the compute dtype (they are stored in float32)."""

@@ -111,3 +111,70 @@ def test_megablox_kernel_equals_ragged_dot(m, k, n):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-3)
     with pytest.raises(ValueError, match="kernel must be one of"):
         grouped_matmul(rows, weights, sizes, kernel="cutlass")
+
+
+@pytest.mark.parametrize("m, k, n, block", [(37, 16, 24, 4), (300, 64, 130, 32), (256, 200, 96, 128), (9, 3, 5, 1)])
+def test_blocked_kernel_equals_ragged_dot(m, k, n, block):
+    """The plain-JAX block-sparse kernel against ragged_dot: outputs and gradients (its own VJP),
+    eagerly and under jit, with an empty group, blocks that do not divide the groups, and rows
+    past the last group (their output is 0)."""
+    from mini_moe.layer import block_layout, grouped_matmul
+
+    rows = jax.random.normal(jax.random.key(0), (m, k))
+    weights = jax.random.normal(jax.random.key(1), (4, k, n))
+    sizes = jnp.array([m // 3, 0, m - m // 3 - m // 5 - 2, m // 5], jnp.int32)  # two rows in no group
+
+    def loss(kernel):
+        return lambda r, w: jnp.sum(jnp.sin(grouped_matmul(r, w, sizes, kernel=kernel, block=block)))
+
+    blocked = jax.jit(lambda r, w: grouped_matmul(r, w, sizes, kernel="blocked", block=block))(rows, weights)
+    np.testing.assert_allclose(blocked, grouped_matmul(rows, weights, sizes, kernel="ragged_dot"), rtol=1e-5, atol=1e-4)
+    assert float(jnp.abs(blocked[-2:]).max()) == 0
+    for a, b in zip(jax.grad(loss("blocked"), (0, 1))(rows, weights), jax.grad(loss("ragged_dot"), (0, 1))(rows, weights)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-3)
+    # the layout: each group's rows in its own blocks, in order, padded to whole blocks
+    dest, block_group, num_blocks = block_layout(sizes, m, block)
+    dest, block_group = np.asarray(dest), np.asarray(block_group)
+    group_of_row = np.repeat(np.arange(4), np.asarray(sizes))
+    assert np.all(block_group[dest[:len(group_of_row)] // block] == group_of_row)
+    assert np.all(np.diff(dest[:len(group_of_row)]) > 0) and np.all(dest[len(group_of_row):] == num_blocks * block)
+    used = int(np.sum(-(-np.asarray(sizes) // block)))
+    assert np.all(block_group[:used] < 4) and np.all(block_group[used:] == 4)
+    with pytest.raises(ValueError, match="block must be"):
+        grouped_matmul(rows, weights, sizes, kernel="blocked", block=0)
+
+
+@pytest.mark.parametrize("variant", [dict(router="softmax_token_choice", router_kwargs=(("k", 1),)),
+                                     dict(router="softmax_token_choice", router_kwargs=(("k", 2),)),
+                                     dict(router="softmax_token_choice", fine_grained=2),
+                                     dict(router="softmax_token_choice", fine_grained=2, shared_experts=1),
+                                     dict(router="remoe")], ids=["tc_k1", "tc_k2", "fine", "fine_shared", "remoe"])
+def test_a_dropless_model_is_the_same_with_the_blocked_kernel(variant):
+    """Token Choice k = 1 and 2, fine-grained, fine-grained + shared and ReMoE's variable k: the
+    whole dropless model's logits and gradients with the blocked kernel equal those with ragged_dot."""
+    import dataclasses
+
+    cfg = config_lib.get_config("quick", dataset="digits", router=variant["router"])
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_path="dropless", depth=2, placement="last1",
+                                                             **{k: v for k, v in variant.items() if k != "router"}))
+    images = jax.random.normal(jax.random.key(5), (cfg.model.group_images * 2, 8, 8, 1))
+
+    def logits_and_grads(kernel):
+        model = train.make_model(cfg)
+        experts = [m for _, m in nnx.iter_graph(model) if isinstance(m, MlpExperts)]
+        assert experts
+        for m in experts:
+            m.kernel = kernel
+        model.eval()
+
+        def loss(model):
+            out = model(images)
+            return jnp.sum(jnp.sin(out.logits) * jnp.arange(out.logits.shape[-1])) + out.aux_loss, out.logits
+
+        (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        return logits, grads
+
+    ragged, blocked = logits_and_grads("ragged_dot"), logits_and_grads("blocked")
+    np.testing.assert_allclose(blocked[0], ragged[0], rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), blocked[1], ragged[1])
+    assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(blocked[1]))
