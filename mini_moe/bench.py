@@ -34,6 +34,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import mini_moe
@@ -391,29 +392,48 @@ def compiled_flops(fn, *args) -> float:
 
 
 def dropless_benchmarks(repeats: int) -> list[dict]:
-    """Dropless Token Choice (the layer's ``"dropless"`` path: sort, ``jax.lax.ragged_dot``)
-    against the gather path at its usual capacity (c = k), Softmax Token Choice with k = 1 and
-    2 at every :data:`LAYER_SHAPES` size: forward + backward time and XLA's FLOP count of the
-    compiled step. The backend's ``ragged_dot`` lowering decides the FLOPs: a generic one
-    computes every row against every expert (about E times a grouped matmul's work)."""
+    """Dropless Token Choice (the layer's ``"dropless"`` path: sort, grouped matmuls) against the
+    gather path at its usual capacity (c = k), Softmax Token Choice with k = 1 and 2 at every
+    :data:`LAYER_SHAPES` size: forward + backward time and FLOPs of the compiled step, for two
+    grouped-matmul kernels. ``ragged_dot`` (``dropless_*``): the backend's lowering decides the
+    FLOPs; a generic one computes every row against every expert (about E times a grouped matmul's
+    work). ``blocked`` (``blocked_*``, :func:`mini_moe.layer.blocked_matmul`): its loops' bodies
+    are counted once by XLA's cost analysis, so its FLOPs are the compiled count plus the bodies of
+    the other used blocks (``blocked_blocks``, from this input's picks per expert): the FLOPs
+    executed."""
     results = []
     for shape_name, (per_group, tokens, groups, dim, hidden, experts) in LAYER_SHAPES.items():
         for k in (1, 2):
             row = {"shape": shape_name, "k": k, "backend": jax.default_backend()}
-            for path in ("gather", "dropless"):
+            for path, kernel in (("gather", "auto"), ("dropless", "ragged_dot"), ("blocked", "blocked")):
                 rng = nnx.Rngs(0)
                 router, x = _router_and_tokens("softmax_token_choice", shape_name, rng, k=k)
-                module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng), path=path)
+                module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng, kernel=kernel),
+                                  path="gather" if path == "gather" else "dropless")
                 step = _fwd_bwd(_layer_output)
                 row[f"{path}_ms"] = round(time_fn(step, module, x, repeats=repeats), 3)
-                row[f"{path}_gflop"] = round(compiled_flops(
+                flops = compiled_flops(
                     lambda m, x: nnx.grad(lambda m, x: jnp.sum(_layer_output(m, x) ** 2), argnums=(0, 1))(m, x),
-                    module, x) / 1e9, 4)
-            row["time_ratio"] = round(row["dropless_ms"] / row["gather_ms"], 3)
-            row["flop_ratio"] = round(row["dropless_gflop"] / row["gather_gflop"], 3)
+                    module, x)
+                if kernel == "blocked":
+                    rows = groups * per_group * tokens * k
+                    block = layer_lib.default_block(rows, experts)
+                    load = routing_lib.pick_load(router(x, dropless=True).affinities.scores, k=k)
+                    used = int(np.sum(np.ceil(np.asarray(load) / block)))
+                    per_block = 3 * 2 * block * (dim * hidden + hidden * dim)  # forward, d rows, d weights; 2 matmuls
+                    flops += (used - 1) * per_block
+                    row |= {"blocked_block": block, "blocked_blocks": used,
+                            "blocked_padding": round(used * block / rows - 1, 4)}
+                row[f"{path}_gflop"] = round(flops / 1e9, 4)
+            for path in ("dropless", "blocked"):
+                row[f"{path}_time_ratio"] = round(row[f"{path}_ms"] / row["gather_ms"], 3)
+                row[f"{path}_flop_ratio"] = round(row[f"{path}_gflop"] / row["gather_gflop"], 3)
+            row["time_ratio"], row["flop_ratio"] = row["dropless_time_ratio"], row["dropless_flop_ratio"]
             results.append(row)
-            print(f"  dropless {shape_name:5s} k={k} gather {row['gather_ms']:9.2f} ms dropless {row['dropless_ms']:9.2f}"
-                  f" ms  x{row['time_ratio']:.2f} time  x{row['flop_ratio']:.2f} FLOPs", flush=True)
+            print(f"  dropless {shape_name:5s} k={k} gather {row['gather_ms']:9.2f} ms | ragged_dot "
+                  f"x{row['dropless_time_ratio']:.2f} time x{row['dropless_flop_ratio']:.2f} FLOPs | blocked "
+                  f"(block {row['blocked_block']}) x{row['blocked_time_ratio']:.2f} time "
+                  f"x{row['blocked_flop_ratio']:.2f} FLOPs", flush=True)
     return results
 
 
@@ -497,8 +517,10 @@ def summary(results: dict) -> str:
         lines.append(f"solver {r['shape']:5s} c={r['capacity_factor']:g} sparse/EC x{r['ratio']:.2f} "
                      f"error {r['router_mean_marginal_error']:.4f} F gap {r['router_objective_relative_gap']}")
     for r in results.get("dropless", []):
-        lines.append(f"dropless {r['shape']:5s} k={r['k']} x{r['time_ratio']:.2f} time x{r['flop_ratio']:.2f} FLOPs "
-                     f"of gather ({r['backend']})")
+        blocked = (f"; blocked x{r['blocked_time_ratio']:.2f} time x{r['blocked_flop_ratio']:.2f} FLOPs"
+                   if "blocked_time_ratio" in r else "")
+        lines.append(f"dropless {r['shape']:5s} k={r['k']} ragged_dot x{r['time_ratio']:.2f} time x{r['flop_ratio']:.2f} "
+                     f"FLOPs{blocked} of gather ({r['backend']})")
     for r in results.get("loss_free", []):
         lines.append(f"loss-free {r['router']:20s} bias update {100 * r['overhead']:+.1f} % of a training step")
     for r in results.get("training", []):
