@@ -420,8 +420,8 @@ def dropless_benchmarks(repeats: int) -> list[dict]:
                     block = layer_lib.default_block(rows, experts)
                     load = routing_lib.pick_load(router(x, dropless=True).affinities.scores, k=k)
                     used = int(np.sum(np.ceil(np.asarray(load) / block)))
-                    per_block = 3 * 2 * block * (dim * hidden + hidden * dim)  # forward, d rows, d weights; 2 matmuls
-                    flops += (used - 1) * per_block
+                    # the loop bodies were counted once: add the other used blocks' (forward, d rows, d weights)
+                    flops += (used - 1) * 3 * 2 * block * (dim * hidden + hidden * dim)
                     row |= {"blocked_block": block, "blocked_blocks": used,
                             "blocked_padding": round(used * block / rows - 1, 4)}
                 row[f"{path}_gflop"] = round(flops / 1e9, 4)

@@ -215,10 +215,10 @@ def _blocked_bwd(block, residuals, d_out):
     d_rows = _per_block(lambda dy, e: dy @ weights[e].T, d_blocks, block_group, g, (block, k), d_out.dtype)
     d_rows = d_rows.reshape(num_blocks * block, k).at[dest].get(mode="fill", fill_value=0)
 
-    def accumulate(d_weights, args):
+    def accumulate(d_weights, args):  # the cond yields one block's product, the carry is updated in place
         x, dy, e = args
-        return jax.lax.cond(e < g, lambda: d_weights.at[jnp.minimum(e, g - 1)].add(x.T @ dy),
-                            lambda: d_weights), None
+        product = jax.lax.cond(e < g, lambda: x.T @ dy, lambda: jnp.zeros((k, n), weights.dtype))
+        return d_weights.at[jnp.minimum(e, g - 1)].add(product), None
 
     d_weights, _ = jax.lax.scan(accumulate, jnp.zeros(weights.shape, weights.dtype), (blocks, d_blocks, block_group))
     return d_rows.astype(blocks.dtype), d_weights, None
@@ -229,9 +229,9 @@ blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
 
 def default_block(num_rows: int, num_groups: int) -> int:
     """The block size of :func:`blocked_matmul` when none is given: the largest power of two at
-    most ``M / (4 G)`` (between 1 and 128), so that the padding, about ``block / 2`` rows per
-    group, stays near an eighth of the rows."""
-    target = max(1, min(128, num_rows // (4 * num_groups)))
+    most ``M / (2 G)`` (between 1 and 128), so that the padding, about ``block / 2`` rows per
+    group, stays near a quarter of the rows at most (an eighth to a quarter)."""
+    target = max(1, min(128, num_rows // (2 * num_groups)))
     return 1 << (target.bit_length() - 1)
 
 

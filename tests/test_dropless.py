@@ -116,8 +116,8 @@ def test_megablox_kernel_equals_ragged_dot(m, k, n):
 @pytest.mark.parametrize("m, k, n, block", [(37, 16, 24, 4), (300, 64, 130, 32), (256, 200, 96, 128), (9, 3, 5, 1)])
 def test_blocked_kernel_equals_ragged_dot(m, k, n, block):
     """The plain-JAX block-sparse kernel against ragged_dot: outputs and gradients (its own VJP),
-    eagerly and under jit, with an empty group, blocks that do not divide the groups, and rows
-    past the last group (their output is 0)."""
+    under jit, with an empty group, blocks that do not divide the groups, and rows past the last
+    group (their output is 0)."""
     from mini_moe.layer import block_layout, grouped_matmul
 
     rows = jax.random.normal(jax.random.key(0), (m, k))
