@@ -175,7 +175,6 @@ def _per_block(fn, blocks, block_group, num_groups, out_shape, dtype):
     return jax.lax.map(one, (blocks, block_group))
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
 def blocked_matmul(rows: Array, weights: Array, group_sizes: Array, block: int) -> Array:
     """Block-sparse grouped matmul in plain JAX: ``rows [M, K]`` sorted by group, ``weights
     [G, K, N]``, ``group_sizes [G]`` -> ``[M, N]``, the rows of group g times ``weights[g]``.
@@ -189,6 +188,11 @@ def blocked_matmul(rows: Array, weights: Array, group_sizes: Array, block: int) 
     a loop's body once, so ``python -m mini_moe bench --only dropless`` reports the executed FLOPs
     from the used blocks instead.
     """
+    return _blocked(rows, weights, group_sizes, block)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _blocked(rows, weights, group_sizes, block):
     return _blocked_forward(rows, weights, group_sizes, block)[0]
 
 
@@ -224,7 +228,7 @@ def _blocked_bwd(block, residuals, d_out):
     return d_rows.astype(blocks.dtype), d_weights, None
 
 
-blocked_matmul.defvjp(_blocked_fwd, _blocked_bwd)
+_blocked.defvjp(_blocked_fwd, _blocked_bwd)
 
 
 def default_block(num_rows: int, num_groups: int) -> int:
