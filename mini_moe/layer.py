@@ -102,7 +102,7 @@ def scatter_slots(out: Array, token: Array, weight: Array, num_tokens: int) -> A
 
 
 def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
-               combine_scores: Array | None = None) -> Array:
+               combine_scores: Array | None = None, min_score: float | None = None) -> Array:
     """Dropless Token Choice by sorting: every token goes to its top-k experts, whatever the load.
 
     Equal to :func:`moe` with Token Choice at a capacity of T (no drops) and ``combine_scores``
@@ -117,6 +117,9 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
       experts: :class:`MlpExperts` with E experts.
       k: experts per token (1 <= k <= E).
       combine_scores: ``[..., T, E]`` combine weights read at the picks (default: ``scores``).
+      min_score: None, or a pick whose score is not above it is not made (ReLU routing: k = E,
+        ``min_score = 0``): it is sorted past every expert's rows, in no group, so a grouped
+        matmul that skips those rows (the blocked kernel) computes only the picks made.
 
     Returns:
       ``[..., T, D_out]``.
@@ -129,12 +132,16 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
         raise InputError(f"k must be an int in [1, E={num_experts}], got {k!r}.")
     weights = scores if combine_scores is None else combine_scores
     tokens = x.reshape(-1, x.shape[-1])  # [N, D]
-    _, picks = jax.lax.top_k(scores.reshape(-1, num_experts), k)  # [N, k]
+    values, picks = jax.lax.top_k(scores.reshape(-1, num_experts), k)  # [N, k]
     gates = jnp.take_along_axis(weights.reshape(-1, num_experts), picks, axis=-1)  # [N, k]
+    if min_score is not None:  # picks not made go to a sentinel expert E, sorted last, in no group
+        made = values > min_score
+        picks, gates = jnp.where(made, picks, num_experts), jnp.where(made, gates, 0)
     expert = picks.reshape(-1)  # [N k], pick j of token n at n * k + j
-    order, group_sizes = sort_by_expert(expert, num_experts)  # picks grouped by expert
+    order, group_sizes = sort_by_expert(expert, num_experts + (min_score is not None))
+    group_sizes = group_sizes[:num_experts]
     token = order // k
-    rows = experts.ragged(tokens[token], expert[order], group_sizes)  # [N k, D_out]
+    rows = experts.ragged(tokens[token], jnp.minimum(expert[order], num_experts - 1), group_sizes)  # [N k, D_out]
     rows = rows * gates.reshape(-1)[order][:, None].astype(rows.dtype)
     out = jnp.zeros((tokens.shape[0], rows.shape[-1]), rows.dtype).at[token].add(rows)
     return out.reshape(x.shape[:-1] + (rows.shape[-1],))

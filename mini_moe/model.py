@@ -216,7 +216,8 @@ class MoeLayer(nnx.Module):
         out = self.router(x.astype(jnp.float32), dropless=dropless)
         if dropless:
             a = out.affinities
-            y = moe_sorted(x, a.scores, self.experts, k=self.router.allocation.k, combine_scores=a.combine)
+            y = moe_sorted(x, a.scores, self.experts, k=self.router.allocation.k, combine_scores=a.combine,
+                           min_score=getattr(self.router.allocation, "min_score", None))
         elif mesh is None:
             y = moe(x, out.routing, self.experts, path=self.path)
         elif self.path != "auto":

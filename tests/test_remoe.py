@@ -126,3 +126,28 @@ def test_one_lambda_for_the_model_moved_by_the_mean_sparsity_of_its_layers(scope
     with eval_mode(model):  # evaluation moves nothing
         model(images)
     assert [float(g.l1_weight[...]) for g in gates] == moved
+
+
+def test_dropless_relu_routing_computes_only_the_positive_picks(monkeypatch):
+    """Review item 3 (issue 35): with min_score = 0, a pick with a zero ReLU gate is sorted past
+    every expert's rows, in no group, so the grouped matmuls see only the picks made; the output
+    is the same as with all E picks per token (whose zero gates add nothing)."""
+    from mini_moe import layer
+
+    x = jax.random.normal(jax.random.key(7), (2, T, D))
+    scores = jax.nn.relu(jax.random.normal(jax.random.key(8), (2, T, E)))  # about half are zero
+    experts = MlpExperts(E, D, 8, rngs=nnx.Rngs(1), kernel="blocked")
+    seen = []
+    original = layer.grouped_matmul
+
+    def recording(rows, weights, group_sizes, **kwargs):
+        seen.append(int(jnp.sum(group_sizes)))
+        return original(rows, weights, group_sizes, **kwargs)
+
+    monkeypatch.setattr(layer, "grouped_matmul", recording)
+    positive = layer.moe_sorted(x, scores, experts, k=E, min_score=0.0)
+    made = int(jnp.sum(scores > 0))
+    assert seen == [made, made] and made < 2 * T * E * 0.7
+    every = layer.moe_sorted(x, scores, experts, k=E)
+    assert seen[2:] == [2 * T * E] * 2
+    np.testing.assert_allclose(positive, every, rtol=1e-5, atol=1e-6)
