@@ -162,13 +162,12 @@ def block_layout(group_sizes: Array, num_rows: int, block: int) -> tuple[Array, 
     """
     num_groups = group_sizes.shape[0]
     num_blocks = -(-num_rows // block) + num_groups - 1
-    ends = jnp.cumsum(group_sizes)
-    padded_ends = jnp.cumsum(-(-group_sizes // block) * block)
+    padded = -(-group_sizes // block) * block  # each group's rows rounded up to whole blocks
+    ends, padded_ends = jnp.cumsum(group_sizes), jnp.cumsum(padded)
     row = jnp.arange(num_rows)
     group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_groups - 1)
-    first = ends[group] - group_sizes[group]
-    padded_first = padded_ends[group] - (-(-group_sizes[group] // block) * block)
-    dest = jnp.where(row < ends[-1], padded_first + row - first, num_blocks * block)
+    offset = row - (ends - group_sizes)[group]  # the row's place within its group
+    dest = jnp.where(row < ends[-1], (padded_ends - padded)[group] + offset, num_blocks * block)
     block_group = jnp.searchsorted(padded_ends, jnp.arange(num_blocks) * block, side="right")
     return dest, block_group, num_blocks
 
