@@ -212,13 +212,8 @@ def _blocked_forward(rows, weights, group_sizes, block):
     return out, (blocks, weights, dest, block_group)
 
 
-def _blocked_fwd(rows, weights, group_sizes, block):
-    out, residuals = _blocked_forward(rows, weights, group_sizes, block)
-    return out, (*residuals, group_sizes)
-
-
 def _blocked_bwd(block, residuals, d_out):
-    blocks, weights, dest, block_group, group_sizes = residuals
+    blocks, weights, dest, block_group = residuals
     (num_blocks, _, k), (g, _, n) = blocks.shape, weights.shape
     d_blocks = jnp.zeros((num_blocks * block, n), d_out.dtype).at[dest].set(d_out, mode="drop")
     d_blocks = d_blocks.reshape(num_blocks, block, n)
@@ -234,7 +229,7 @@ def _blocked_bwd(block, residuals, d_out):
     return d_rows.astype(blocks.dtype), d_weights, None
 
 
-_blocked.defvjp(_blocked_fwd, _blocked_bwd)
+_blocked.defvjp(_blocked_forward, _blocked_bwd)
 
 
 def default_block(num_rows: int, num_groups: int) -> int:
