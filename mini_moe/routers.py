@@ -227,6 +227,9 @@ class SigmoidGates(Affinity):
         f_i counts the top-k of the unbiased scores, V3's eq. 18) inside the router's auxiliary
         loss, which training multiplies by ``aux_loss_weight`` (0.01 by default): DeepSeek-V3's
         alpha = 1e-4 is ``seq_balance = 1e-4 / aux_loss_weight = 1e-2``; 0 turns it off.
+      balance_scope: where that loss counts ``f_i`` and ``P_i``: ``"group"`` (V3's sequence-wise
+        loss, one sequence = one routing group, averaged over groups) or ``"batch"`` (over every
+        token of the batch at once: the batch-wise auxiliary loss of V3's ablation, Sec. 4.5.3).
       num_groups, top_groups: group-limited routing (DeepSeek-V2/V3): the E experts form
         ``num_groups`` equal groups (devices, in a deployment), a group scores the sum of its
         two highest biased scores (its highest when it holds one expert), each token keeps its
@@ -241,9 +244,12 @@ class SigmoidGates(Affinity):
     picks per expert in this call).
     """
 
-    def __init__(self, dim, num_experts, *, bias_rate=1e-3, seq_balance=0.0, num_groups=1, top_groups=1,
-                 deterministic=False, rngs: nnx.Rngs):
+    def __init__(self, dim, num_experts, *, bias_rate=1e-3, seq_balance=0.0, balance_scope="group", num_groups=1,
+                 top_groups=1, deterministic=False, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
+        if balance_scope not in losses.BALANCE_SCOPES:
+            raise InputError(f"balance_scope must be one of {losses.BALANCE_SCOPES}, got {balance_scope!r}.")
+        self.balance_scope = balance_scope
         if not bias_rate >= 0:
             raise InputError(f"bias_rate must be >= 0, got {bias_rate!r}.")
         if not seq_balance >= 0:
@@ -292,7 +298,11 @@ class SigmoidGates(Affinity):
         # V3's eq. 18 counts f_i on the top-k of the unbiased scores (no bias, no groups), as
         # Megatron's compute_routing_scores_for_aux_loss does; the bias only selects.
         unbiased = jax.nn.one_hot(jax.lax.top_k(scores, budget.k)[1], self.num_experts, dtype=scores.dtype).sum(-2)
-        balance = losses.sequence_balance_loss(scores, unbiased)
+        if self.balance_scope == "batch":  # one group of every token: the batch-wise loss
+            balance = losses.sequence_balance_loss(scores.reshape(1, -1, self.num_experts),
+                                                   unbiased.reshape(1, -1, self.num_experts))
+        else:
+            balance = losses.sequence_balance_loss(scores, unbiased)
         metrics = dict(sequence_balance_loss=balance, bias_spread=jnp.max(self.bias[...]) - jnp.min(self.bias[...]),
                        pick_load=load)
         # The allocation ranks the biased (group-limited) scores, which picks the same k experts,
@@ -859,26 +869,28 @@ def softmax_token_choice(dim, num_experts, *, k=1, capacity_factor=None, batch_p
 
 @register("sigmoid_loss_free", allocation="token")
 def sigmoid_loss_free(dim, num_experts, *, k=2, capacity_factor=None, batch_priority=False, bias_rate=1e-3,
-                      seq_balance=0.0, num_groups=1, top_groups=1, deterministic=False, rngs: nnx.Rngs) -> Router:
+                      seq_balance=0.0, balance_scope="group", num_groups=1, top_groups=1, deterministic=False,
+                      rngs: nnx.Rngs) -> Router:
     """DeepSeek-V3's gating (arXiv 2412.19437, Sec. 2.1.2): sigmoid scores, top-k on scores plus
     a balancing bias updated without an auxiliary loss, gates normalised over the k; Token
     Choice (Algorithm 1) allocates. k = 2 by default: with k = 1 the normalised gate is always 1,
     so the router's weights would get no gradient from the task. Options: :class:`SigmoidGates`."""
-    affinity = SigmoidGates(dim, num_experts, bias_rate=bias_rate, seq_balance=seq_balance, num_groups=num_groups,
-                            top_groups=top_groups, deterministic=deterministic, rngs=rngs)
+    affinity = SigmoidGates(dim, num_experts, bias_rate=bias_rate, seq_balance=seq_balance, balance_scope=balance_scope,
+                            num_groups=num_groups, top_groups=top_groups, deterministic=deterministic, rngs=rngs)
     affinity.check(k)
     return Router(affinity, TokenChoice(k, capacity_factor, batch_priority))
 
 
 @register("group_limited", allocation="token")
 def group_limited(dim, num_experts, *, k=2, capacity_factor=None, batch_priority=False, bias_rate=1e-3,
-                  seq_balance=0.0, num_groups=2, top_groups=1, deterministic=False, rngs: nnx.Rngs) -> Router:
+                  seq_balance=0.0, balance_scope="group", num_groups=2, top_groups=1, deterministic=False,
+                  rngs: nnx.Rngs) -> Router:
     """Group-limited (device-limited) routing of DeepSeek-V2/V3: :func:`sigmoid_loss_free` with
     the experts in ``num_groups`` groups, of which each token uses its ``top_groups`` best (by
     default 2 groups, 1 kept: every token's k experts share a group)."""
     return sigmoid_loss_free(dim, num_experts, k=k, capacity_factor=capacity_factor, batch_priority=batch_priority,
-                             bias_rate=bias_rate, seq_balance=seq_balance, num_groups=num_groups,
-                             top_groups=top_groups, deterministic=deterministic, rngs=rngs)
+                             bias_rate=bias_rate, seq_balance=seq_balance, balance_scope=balance_scope,
+                             num_groups=num_groups, top_groups=top_groups, deterministic=deterministic, rngs=rngs)
 
 
 @register("remoe", allocation="token")

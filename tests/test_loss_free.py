@@ -174,6 +174,30 @@ def test_the_routers_sequence_balance_counts_the_unbiased_top_k():
     assert float(out.aux_loss) == pytest.approx(expected, rel=1e-5)  # seq_balance = 1: the loss itself
 
 
+def test_the_batch_wise_balance_loss_counts_every_token_of_the_batch():
+    """``balance_scope="batch"`` (V3's batch-wise auxiliary loss, Sec. 4.5.3): f_i and P_i over
+    all G*T tokens at once, checked against NumPy; with groups routed differently it differs from
+    the group-wise (sequence-wise) loss, the mean of the per-group values; its gradient reaches W."""
+    x = _x(3)
+    group = mm.make_router("sigmoid_loss_free", D, E, k=2, seq_balance=1.0, rngs=nnx.Rngs(0))
+    batch = mm.make_router("sigmoid_loss_free", D, E, k=2, seq_balance=1.0, balance_scope="batch", rngs=nnx.Rngs(0))
+    for router in (group, batch):
+        router.eval()
+    s, _, _ = _reference(batch, x, 2)
+    unbiased = np.zeros_like(s)
+    np.put_along_axis(unbiased, np.argsort(-s, -1)[..., :2], 1.0, -1)
+    p = s / s.sum(-1, keepdims=True)
+    per_group = (E / (2 * T) * unbiased.sum(-2) * p.mean(-2)).sum(-1)  # [G]
+    whole = (E / (2 * G * T) * unbiased.sum((0, 1)) * p.mean((0, 1))).sum()
+    assert abs(whole - per_group.mean()) > 1e-3  # the two scopes differ on this batch
+    assert float(group(x).aux_loss) == pytest.approx(per_group.mean(), rel=1e-5)
+    assert float(batch(x).aux_loss) == pytest.approx(whole, rel=1e-5)
+    grad = nnx.grad(lambda r: r(x).aux_loss)(batch)
+    assert float(jnp.abs(grad.affinity.dense.kernel[...]).sum()) > 0
+    with pytest.raises(ValueError, match="balance_scope must be one of"):
+        mm.make_router("sigmoid_loss_free", D, E, balance_scope="sequence", rngs=nnx.Rngs(0))
+
+
 def test_global_batch_balance_counts_the_whole_batch():
     """Two groups, each sending every token to its own expert: each group alone is as unbalanced
     as possible (loss about E), the batch spreads over the two experts it uses (loss about E / 2):

@@ -2,7 +2,17 @@
 
 Usage (from the repository root, one training at a time, pinned to one core)::
 
-    taskset -c 1 .venv/bin/python mini_moe/results/routing_2024.py [ARM ...]
+    taskset -c 1 .venv/bin/python mini_moe/results/routing_2024.py [ARM ...]          # v1
+    taskset -c 1 bash mini_moe/results/routing_2024_v2.sh                             # v2
+
+**v1** (issue 26, exploratory): :data:`ARMS` on seeds 0-2, ``routing_2024-<MACHINE>.json``.
+**v2** (issue 35, registered in ``routing_2024_v2-preregistration.md`` before its first run):
+:data:`ARMS_V2` on :data:`SEEDS_V2`, ``routing_2024_v2-<MACHINE>.json``; ``STUDY=v2`` selects it.
+A v2 run refuses to train unless ``mini_moe`` is imported from a clean checkout of the pinned
+commit ``SOURCE`` (:func:`mini_moe.confirm.require_pinned`; the shell script pins it in a detached
+worktree), records that commit, and with ``COMMIT=1`` commits the results file after every run.
+``SEEDS="0 3"`` restricts the seeds (one process per core, each re-reading the file before it
+adds its run).
 
 Every arm (:data:`ARMS`) trains the ``patch_vote`` ViT of chapter 8 (:mod:`mini_moe.confirm`'s
 task, model and schedule: 2,000 steps, E = 8 experts in every second block) with one router or
@@ -26,6 +36,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -35,10 +46,17 @@ from mini_moe import bench, confirm, evaluate, study, train
 from mini_moe import config as config_lib
 
 MACHINE = os.environ.get("MACHINE", "cpu-2core-xeon")
-OUT = pathlib.Path(f"mini_moe/results/routing_2024-{MACHINE}.json")
-RUNS = pathlib.Path("runs/routing_2024")
+V2 = os.environ.get("STUDY") == "v2"
+OUT = pathlib.Path(f"mini_moe/results/routing_2024{'_v2' if V2 else ''}-{MACHINE}.json")
+RUNS = pathlib.Path("runs/routing_2024" + ("_v2" if V2 else ""))
 SEEDS = (0, 1, 2)
-COMMAND = "taskset -c 1 .venv/bin/python mini_moe/results/routing_2024.py"
+#: v2's seeds: the smallest n for which the paired t-test over n seeds has power >= 0.8 for a
+#: 3-point difference at Holm's first-step level 0.05 / 9, with the largest paired SD of v1 (1.11
+#: points, remoe - dropless): n = 6 gives 0.89, n = 5 gives 0.69 (:func:`mini_moe.study.paired_power`).
+SEEDS_V2 = (10, 11, 12, 13, 14, 15)  # new seeds: v1 (exploratory) used 0-2
+COMMAND = ("taskset -c 1 bash mini_moe/results/routing_2024_v2.sh" if V2 else
+           "taskset -c 1 .venv/bin/python mini_moe/results/routing_2024.py")
+PREREGISTRATION = pathlib.Path("mini_moe/results/routing_2024_v2-preregistration.md")
 
 TC = "softmax_token_choice"
 SWITCH = {"k": 1, "capacity_factor": 1.0, "balance_loss": "switch"}
@@ -63,6 +81,45 @@ ARMS = {
     # (capacity factor E) drops nothing, like the dropless path, and is 3x faster on CPU
     "remoe": ("remoe", {}, {"k": 1, "capacity_factor": 8.0}),
 }
+
+SIGMOID_K2 = {"k": 2, "capacity_factor": 2.0}
+#: v2's arms (issue 35): the headline contrasts of chapters 12 and 13 with the confounds split. At
+#: k = 2 (c = 2) the gating is held fixed (DeepSeek-V3's sigmoid, no noise) and only the balancing
+#: changes, as in V3's ablations: the bias (``loss_free_k2``), a balancing loss per routing group
+#: (V3's sequence-wise loss, ``seq_balance = 1`` times the training's aux_loss_weight 0.01 = the
+#: Switch loss's weight; Table 5's auxiliary-loss baseline) or over the batch (Sec. 4.5.3's
+#: batch-wise loss). ReMoE runs on the dropless path (the baseline its paper compares with, and it
+#: then computes only the picks it makes).
+ARMS_V2 = {
+    "tc_switch": ARMS["tc_switch"],
+    "tc_switch_batch": ARMS["tc_switch_batch"],
+    "tc_switch_k2": ARMS["tc_switch_k2"],
+    "sig_loss_k2": ("sigmoid_loss_free", {}, SIGMOID_K2 | {"bias_rate": 0.0, "seq_balance": 1.0}),
+    "sig_batch_loss_k2": ("sigmoid_loss_free", {}, SIGMOID_K2 | {"bias_rate": 0.0, "seq_balance": 1.0,
+                                                                "balance_scope": "batch"}),
+    "loss_free_k2": ("sigmoid_loss_free", {}, SIGMOID_K2 | {"bias_rate": 1e-3}),
+    "fine": ARMS["fine"],
+    "fine_shared": ARMS["fine_shared"],
+    "dropless": ARMS["dropless"],
+    "remoe": ("remoe", {"model_moe_path": "dropless"}, {"k": 1}),
+}
+#: v2's family, declared before its first run: (a, b) tests mean(a - b) over paired seeds,
+#: two-sided paired t, Holm over all nine at 0.05.
+CONTRASTS_V2 = [
+    ("loss_free_k2", "sig_loss_k2"),  # ch12: the bias against a per-group loss, same gating (V3 Table 5)
+    ("loss_free_k2", "sig_batch_loss_k2"),  # ch12: the bias against a batch-wise loss (V3 Sec. 4.5.3)
+    ("sig_loss_k2", "tc_switch_k2"),  # ch12: sigmoid against noisy softmax gating, both with a per-group loss
+    ("tc_switch_batch", "tc_switch"),  # ch12: the Switch loss over the batch against per group (Qiu et al.)
+    ("fine", "tc_switch"),  # ch13: fine-grained experts against coarse at c = 1 (granularity and drops)
+    ("fine", "dropless"),  # ch13: fine-grained against a coarse layer that drops nothing (granularity)
+    ("dropless", "tc_switch"),  # ch13: dropping nothing against c = 1 (drops)
+    ("fine_shared", "fine"),  # ch13: one shared expert among the fine ones
+    ("remoe", "dropless"),  # ch13: ReMoE against the dropless Top-K MoE its paper compares with
+]
+if V2:
+    ARMS, SEEDS = ARMS_V2, SEEDS_V2
+if os.environ.get("SEEDS"):
+    SEEDS = tuple(int(s) for s in os.environ["SEEDS"].split())
 KEEP_EVERY = 100  # steps between the kept rows of the training log
 
 
@@ -102,22 +159,42 @@ def run(arm: str, seed: int) -> dict:
             "train_log": log, "layers": routed_counts(model, test.images)}
 
 
+def _read() -> dict:
+    if OUT.exists():
+        return json.loads(OUT.read_text())
+    what = ("issue 35: chapters 12 and 13's registered runs on patch_vote (v2)" if V2 else
+            "issue 26: chapters 12 and 13's runs on patch_vote")
+    record = {"what": what, "command": COMMAND, "machine": bench.machine(), "seeds": list(SEEDS_V2 if V2 else SEEDS),
+              "arms": {a: list(ARMS[a]) for a in ARMS}, "runs": []}
+    if V2:
+        record |= {"contrasts": CONTRASTS_V2, "preregistration": str(PREREGISTRATION)}
+    return record
+
+
 def main(arms) -> None:
-    record = json.loads(OUT.read_text()) if OUT.exists() else {
-        "what": "issue 26: chapters 12 and 13's runs on patch_vote", "command": COMMAND,
-        "machine": bench.machine(), "seeds": list(SEEDS), "arms": {a: list(ARMS[a]) for a in ARMS}, "runs": []}
-    done = {(r["arm"], r["seed"]) for r in record["runs"]}
+    if V2:  # refuse to train before the registration is committed, or with other code than the pinned commit
+        source = os.environ.get("SOURCE", "")
+        if not source:
+            sys.exit("STUDY=v2 needs SOURCE=<pinned commit> (routing_2024_v2.sh sets it)")
+        state = confirm.require_pinned(source)
     for seed in SEEDS:
         for arm in arms:
-            if (arm, seed) in done:
+            if (arm, seed) in {(r["arm"], r["seed"]) for r in _read()["runs"]}:
                 continue
             tick = time.perf_counter()
             entry = {**run(arm, seed), "cpu": bench.machine()["cpu"]}
+            if V2:
+                entry |= {"source_commit": state["commit"], "source_dirty": state["dirty"]}
+            record = _read()  # another process (the other core) may have added runs meanwhile
             record["runs"].append(entry)
             record["machine"]["date_last"] = bench.machine()["date"]
             OUT.write_text(json.dumps(record, indent=1) + "\n")
             print(f"{arm}-s{seed}: acc={100 * entry['test_accuracy']:.2f} train_s={entry['train_seconds']} "
                   f"wall_s={time.perf_counter() - tick:.0f}", flush=True)
+            if os.environ.get("COMMIT") == "1":  # commit the record alone, as the run finishes
+                subprocess.run(["bash", "-c", f'source mini_moe/results/commit_result.sh && '
+                                f'commit_result {OUT} "routing_2024 {"v2" if V2 else "v1"}: {arm}-s{seed}"'],
+                               check=False)
 
 
 if __name__ == "__main__":
