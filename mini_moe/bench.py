@@ -274,14 +274,40 @@ def layer_benchmarks(repeats: int) -> list[dict]:
     return results
 
 
+#: The numbers of experts of the ``soft_moe_experts`` benchmark (E * S = 256 slots throughout).
+SOFT_MOE_EXPERTS = (8, 16, 32, 64, 128, 256)
+
+
+def _soft_moe_layer(experts: int, total_slots: int, dim: int, hidden: int) -> MoeLayer:
+    rng = nnx.Rngs(0)
+    router = routers_lib.make_router("soft_moe", dim, experts, slots_per_expert=total_slots // experts, rngs=rng)
+    return MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
+
+
+def soft_moe_expert_costs(experts=SOFT_MOE_EXPERTS, total_slots: int = 256, images: int = 8, tokens: int = 64,
+                          dim: int = 256, hidden: int = 1024) -> list[dict]:
+    """XLA's cost analysis of the ``soft_moe_experts`` benchmark's compiled forward + backward,
+    per number of ``experts`` (each must divide ``total_slots``): ``{"experts", "slots_per_expert",
+    "flops", "bytes"}`` (``"bytes
+    accessed"``: what the compiled program reads and writes, parameters and gradients included).
+    A compile-time count, the same on any machine with the same XLA; no timing."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (images, tokens, dim))
+    out = []
+    for num in experts:
+        if total_slots % num:
+            raise InputError(f"experts must divide total_slots={total_slots}, got {num}.")
+        cost = compiled_cost(_fwd_bwd(_layer_output), _soft_moe_layer(num, total_slots, dim, hidden), x)
+        out.append({"experts": num, "slots_per_expert": total_slots // num,
+                    "flops": cost["flops"], "bytes": cost["bytes accessed"]})
+    return out
+
+
 def soft_moe_expert_benchmarks(repeats: int, total_slots: int = 256, images: int = 8, tokens: int = 64,
                                dim: int = 256, hidden: int = 1024) -> list[dict]:
     x = jax.random.normal(jax.random.PRNGKey(0), (images, tokens, dim))
     results = []
-    for experts in (8, 16, 32, 64, 128, 256):
-        rng = nnx.Rngs(0)
-        router = routers_lib.make_router("soft_moe", dim, experts, slots_per_expert=total_slots // experts, rngs=rng)
-        module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng))
+    for experts in SOFT_MOE_EXPERTS:
+        module = _soft_moe_layer(experts, total_slots, dim, hidden)
         ms = time_fn(_fwd_bwd(_layer_output), module, x, repeats=repeats)
         results.append({"experts": experts, "slots_per_expert": total_slots // experts, "ms": round(ms, 3)})
         print(f"  soft_moe E={experts:4d} S={total_slots // experts:3d} {ms:9.2f} ms", flush=True)
@@ -383,12 +409,19 @@ def training_benchmarks(repeats: int) -> list[dict]:
     return results
 
 
-def compiled_flops(fn, *args) -> float:
-    """XLA's FLOP count of the compiled ``fn(*args)`` (``cost_analysis()``; loops counted once)."""
+def compiled_cost(fn, *args) -> dict:
+    """XLA's cost analysis of the compiled ``fn(*args)``, ``args[0]`` an NNX module:
+    ``{"flops", "bytes accessed"}`` (NaN where the backend does not report one; loops counted once)."""
     graphdef, state = nnx.split(args[0])
     cost = jax.jit(lambda state, *rest: fn(nnx.merge(graphdef, state), *rest)).lower(state, *args[1:]) \
         .compile().cost_analysis()
-    return float((cost[0] if isinstance(cost, list) else cost).get("flops", float("nan")))
+    cost = cost[0] if isinstance(cost, list) else cost
+    return {key: float(cost.get(key, float("nan"))) for key in ("flops", "bytes accessed")}
+
+
+def compiled_flops(fn, *args) -> float:
+    """XLA's FLOP count of the compiled ``fn(*args)`` (:func:`compiled_cost`)."""
+    return compiled_cost(fn, *args)["flops"]
 
 
 def dropless_benchmarks(repeats: int) -> list[dict]:
