@@ -13,7 +13,9 @@
 3. The install cell for real, on this CPU, as a notebook under nbval in the new environment:
    it upgrades what is below the floors (JAX and Flax), installs mini_moe, and leaves the rest of
    Colab's packages as they were.
-4. Chapters 1, 2 and 7 under nbval in that environment.
+4. Chapters 1, 2 and 7 and the labs page under nbval in that environment, then the labs page
+   with the library's solutions in place of its stubs (.ci/labs.py): one lab opens and checks in
+   a fresh Colab-like runtime.
 
     python .ci/colab_stack.py        # make colab-stack; COLAB_VENV names the venv (.venv-colab)
 """
@@ -40,7 +42,7 @@ PY = VENV / "bin" / "python"
 COLAB_PINS = {"jax": "0.7.2", "jaxlib": "0.7.2", "jax-cuda12-plugin": "0.7.2", "jax-cuda12-pjrt": "0.7.2",
               "flax": "0.11.2", "optax": "0.2.8", "orbax-checkpoint": "0.12.0", "numpy": "2.0.2",
               "scipy": "1.16.3", "matplotlib": "3.10.0", "scikit-learn": "1.6.1", "tensorflow-datasets": "4.9.10"}
-CHAPTERS = ["01_unified_formulation", "02_softmax_token_choice", "07_router_consistency"]
+CHAPTERS = ["01_unified_formulation", "02_softmax_token_choice", "07_router_consistency", "14_labs"]
 
 
 def sh(*command, env=None, capture=False) -> str | None:
@@ -60,7 +62,7 @@ def installed() -> dict[str, str]:
 
 def cell_source() -> str:
     """Chapter 7's install cell (mini_moe with its tfds extra), installing from this checkout."""
-    text = (ROOT / "book" / f"{CHAPTERS[-1]}.md").read_text()
+    text = (ROOT / "book" / "07_router_consistency.md").read_text()
     source = install_cell(text).split("\n", 2)[2]  # without the ":tags:" line
     source, n = re.subn(r'^MINI_MOE = "(mini_moe\S*) @ .*"$', rf'MINI_MOE = "\1 @ file://{ROOT}"', source, flags=re.M)
     assert n == 1, "the install cell names mini_moe in one MINI_MOE line"
@@ -113,7 +115,7 @@ def main() -> None:
     sh(os.environ.get("PYTHON", sys.executable), "-m", "venv", VENV)
     sh(PY, "-m", "pip", "install", "-q", "--upgrade", "pip")
     sh(PY, "-m", "pip", "install", "-q", *[f"{name}=={v}" for name, v in COLAB_PINS.items()],
-       "ipykernel", "nbval>=0.11", "pytest>=8")
+       "ipykernel", "nbclient", "nbval>=0.11", "pytest>=8")
     before = installed()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -133,6 +135,7 @@ def main() -> None:
           "and left the rest of Colab's packages as they were", flush=True)
     sh(PY, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-q",
        *[ROOT / "book" / f"{name}.ipynb" for name in CHAPTERS])
+    sh(PY, ROOT / ".ci" / "labs.py")
 
 
 if __name__ == "__main__":

@@ -234,3 +234,26 @@ def test_the_grader_command(tmp_path):
     empty.write_text("x = 1\n")
     proc = subprocess.run(cli[:-1] + [str(empty)], capture_output=True, text=True)
     assert proc.returncode == 2 and "defines no lab function" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_labs_page_holds_every_stub_as_the_registry_writes_it():
+    """book/14_labs.ipynb (CI executes it with the stubs and with the solutions, .ci/labs.py): one
+    stub per lab, exactly ``Lab.stub()``, each followed by its check; a stale stub is refused."""
+    import copy
+
+    import nbformat
+
+    import ci_scripts
+
+    labs_ci = ci_scripts.load("labs")
+    page = nbformat.read(str(ci_scripts.CI.parent / "book" / "14_labs.ipynb"), as_version=4)
+    found = labs_ci.lab_cells(page)
+    assert sorted(name for _, _, name in found) == sorted(labs.LABS)
+    stale = copy.deepcopy(page)
+    stub = found[0][0]
+    stale.cells[stub].source = stale.cells[stub].source.replace("raise NotImplementedError", "return None")
+    with pytest.raises(SystemExit, match="differs from labs.LABS"):
+        labs_ci.lab_cells(stale)
+    del stale.cells[stub:stub + 2]
+    with pytest.raises(SystemExit, match=f"labs without a stub on the page: {found[0][2]}"):
+        labs_ci.lab_cells(stale)
