@@ -21,6 +21,8 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.evaluate` — accuracy, the 10-shot probe, routing diagnostics and mechanisms.
 * :mod:`mini_moe.diagnose` — a health report of a trained MoE, with verdicts and hints
   (``python -m mini_moe diagnose RUN``).
+* :mod:`mini_moe.explorer` — the routing explorer: one image's patches by expert, dropped ones,
+  the load against capacity, live controls in Jupyter and Colab (``explorer.explore(model, images)``).
 * :mod:`mini_moe.labs` — graded labs: a student's router pieces checked against the library
   (``python -m mini_moe labs check FILE.py``).
 * :mod:`mini_moe.study` — the head-to-head router study and its statistics.
