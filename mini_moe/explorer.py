@@ -20,7 +20,7 @@ import numpy as np
 from mini_moe import evaluate
 from mini_moe.validate import InputError
 
-#: Okabe and Ito's colour-blind-safe palette (black left out: it marks dropped patches).
+#: Okabe and Ito's colour-blind-safe palette, without its black (which marks dropped patches).
 PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999")
 
 
