@@ -5,17 +5,21 @@ Usage, from the repository root on an otherwise idle machine::
 
     .venv/bin/python mini_moe/results/chapter_times.py [--out mini_moe/results/chapter-times-<machine>.json]
 
-Every ``book/NN_*.ipynb`` but the teaching page (which reads this file) is executed, one after the other, in a fresh detached worktree of HEAD
-(so no run folder of an earlier execution is reused: each chapter trains what it trains on a
-reader's first run), in one Jupyter kernel of this environment, with XLA's defaults. The file
+Every ``book/NN_*.ipynb`` but the teaching page (which reads this file) is executed, one after
+the other, in a fresh detached worktree of HEAD (so no run folder of an earlier execution is
+reused: each chapter trains what it trains on a reader's first run), in one Jupyter kernel of this
+environment started in the page's folder (as the book build does), with XLA's defaults. The file
 records per page the wall seconds of the whole execution and the CPU seconds the kernel and its
-children used, with the machine (:func:`mini_moe.bench.machine`) and the commit.
+children used, with the machine (:func:`mini_moe.bench.machine`) and the commit. The kernel imports
+``mini_moe`` from that worktree (``PYTHONPATH``), so ``source_dirty`` only says whether the
+checkout the command ran from held uncommitted changes; they do not reach the execution.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import resource
 import subprocess
@@ -62,8 +66,8 @@ def main(argv=None) -> int:
             for page in pages:
                 nb = nbformat.read(page, as_version=4)
                 cpu, tick = _children_cpu(), time.perf_counter()
-                NotebookClient(nb, timeout=3600, kernel_name="python3",
-                               resources={"metadata": {"path": str(tree)}}).execute()
+                NotebookClient(nb, timeout=3600, kernel_name="python3", resources={"metadata": {"path": str(page.parent)}}
+                               ).execute(env={**os.environ, "PYTHONPATH": str(tree)})
                 wall = time.perf_counter() - tick
                 record["pages"][page.stem] = {"wall_seconds": round(wall, 1),
                                               "cpu_seconds": round(_children_cpu() - cpu, 1)}
