@@ -27,6 +27,9 @@ PINNED_EXTRAS = ("tfds",)
 OPTIONAL_IMPORTS = {
     "ot": "POT, test extra: bench's sparsity_solver comparison, which says how to install it",
     "myst_nb": "book extra: notebook.glue prints the value instead outside a Jupyter Book build",
+    "ipywidgets": "book and test extras: explorer's live controls, which say how to install it (the static "
+                  "figure needs none)",
+    "IPython": "comes with ipywidgets (and any Jupyter kernel): explorer shows its widget with it",
 }
 # Import name -> distribution name, where they differ.
 DISTRIBUTION = {"sklearn": "scikit-learn", "orbax": "orbax-checkpoint",

@@ -155,6 +155,16 @@ def draw_view(view: dict, image: np.ndarray | None = None, *, axes=None, title: 
     return left.figure
 
 
+def _widgets():
+    """ipywidgets, or a clear error: it comes with the book extra, not with the package."""
+    try:
+        import ipywidgets
+    except ImportError as e:
+        raise InputError("the live explorer needs ipywidgets: pip install ipywidgets (or 'mini_moe[book]'); "
+                         "explore(..., interactive=False) draws the static figure without it.") from e
+    return ipywidgets
+
+
 def widget_frontend() -> bool:
     """Whether widgets will show: Colab, VS Code, or a Jupyter server's kernel (which sets
     ``JPY_SESSION_NAME``); not nbval, nbclient or the book's build. ``MINI_MOE_STATIC=1`` forces
@@ -171,7 +181,7 @@ class Explorer:
     how the tests drive it."""
 
     def __init__(self, model, images, *, capacities=(0.5, 1.0, 2.0), accuracy: float | None = None):
-        import ipywidgets as widgets
+        widgets = _widgets()
 
         self.model, self.images, self.accuracy = model, np.asarray(images), accuracy
         moe = [block for block in model.blocks if block.use_moe]
@@ -208,8 +218,7 @@ class Explorer:
         self.redraws += 1
 
     def widget(self):
-        import ipywidgets as widgets
-
+        widgets = _widgets()
         return widgets.VBox([widgets.HBox([self.image, self.layer]), widgets.HBox([self.capacity, self.slot]),
                              self.output])
 
@@ -225,9 +234,11 @@ def explore(model, images, *, capacities=(0.5, 1.0, 2.0), image: int = 0, layer:
     if interactive is None:
         interactive = widget_frontend()
     if interactive:
-        from IPython.display import display
-
         explorer = Explorer(model, images, capacities=capacities, accuracy=accuracy)
+        try:
+            from IPython.display import display
+        except ImportError:  # ipywidgets brings IPython; without it there is nothing to show the widget in
+            return explorer
         display(explorer.widget())
         return explorer
     moe = [block for block in model.blocks if block.use_moe]
