@@ -22,6 +22,8 @@ visible text outside code, no display equation is cut off where scrolling cannot
 1280 px and a 412 px wide window), no code cell input is wider than its box (long lines wrap,
 _static/mini_moe.css), and every ``<img>`` in the article has ``naturalWidth > 0``; a chapter page
 must also show at least one typeset equation and one figure, and a probe page its LaTeX outputs.
+The pages of the table of contents' "Course kit" part (the labs, the instructor's page) are
+numbered like chapters but are not held to the equation and figure rule.
 Exit status 1 with a message saying what failed otherwise.
 """
 
@@ -350,6 +352,20 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
     return m, [f"{page}: {p}" for p in problems]
 
 
+COURSE_KIT = "Course kit"
+
+
+def course_kit(toc: Path) -> set[str]:
+    """The pages (``book/NN_topic.html``) of the "Course kit" part of the book's ``_toc.yml``."""
+    import yaml
+
+    if not toc.exists():
+        return set()
+    parts = yaml.safe_load(toc.read_text()).get("parts", [])
+    return {re.sub(r"\.(ipynb|md)$", "", entry["file"]) + ".html"
+            for part in parts if part.get("caption") == COURSE_KIT for entry in part.get("chapters", [])}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("pages", nargs="*", help="pages relative to --html (default: book/intro.html, every "
@@ -368,7 +384,9 @@ def main(argv=None) -> int:
     pages = args.pages or ["book/intro.html"] + sorted(p.relative_to(html).as_posix()
                                                         for p in html.glob("book/[0-9][0-9]_*.html")) + [
         p for p in ("book/api.html", "book/references.html") if (html / p).exists()]  # the back matter
-    chapters = [p for p in pages if re.fullmatch(r"book/\d\d_\w+\.html", p)]
+    toc = html.resolve().parent.parent / "_toc.yml"  # the book of <book>/_build/html, else this repository's
+    kit = course_kit(toc if toc.exists() else ROOT / "_toc.yml")
+    chapters = [p for p in pages if re.fullmatch(r"book/\d\d_\w+\.html", p) and p not in kit]
     missing = [p for p in pages if not (html / p).exists()]
     if missing:
         sys.exit(f"browser check: no such page in {html}: {', '.join(missing)}")

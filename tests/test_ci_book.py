@@ -111,3 +111,12 @@ def test_recorded_outputs_are_cached_under_the_key_myst_nb_looks_up(tmp_path, mo
     store.add_nb_to_project(str(source))  # what myst-nb does before executing a cache miss
     assert record.executed_by_build(cache_dir) == [str(source)]
     assert record.main(["verify", str(cache_dir)]) == 1
+
+
+def test_the_browser_check_holds_chapters_not_the_course_kit_to_the_equation_and_figure_rule():
+    """The labs page and the instructor's page (the TOC's "Course kit" part) are numbered like
+    chapters but have no equation or figure to show; every other numbered page is a chapter."""
+    browser_check = ci_scripts.load("browser_check")
+    kit = browser_check.course_kit(ci_scripts.CI.parent / "_toc.yml")
+    assert kit == {"book/14_labs.html", "book/15_teaching.html"}
+    assert browser_check.course_kit(ci_scripts.CI.parent / "no_such_toc.yml") == set()
