@@ -257,3 +257,20 @@ def test_the_labs_page_holds_every_stub_as_the_registry_writes_it():
     del stale.cells[stub:stub + 2]
     with pytest.raises(SystemExit, match=f"labs without a stub on the page: {found[0][2]}"):
         labs_ci.lab_cells(stale)
+
+
+def test_the_api_pages_example_registers_and_checks_a_lab():
+    """The API page shows how a course adds a lab for its own router; the block runs as written (in
+    a subprocess, so that its lab does not join this process's registry): the right answer passes,
+    the wrong one fails on the tie case."""
+    import re
+
+    import ci_scripts
+
+    text = (ci_scripts.CI.parent / "book" / "api.md").read_text()
+    block = re.search(r"```python\n(.*?labs\.register\(labs\.Lab\(.*?)```", text, re.S).group(1)
+    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = done.stdout.split("\n", 1)
+    assert first.startswith("ch99.top1: passed")
+    assert second.startswith("ch99.top1: FAILED") and "case 'ties'" in second
