@@ -188,7 +188,11 @@ class Explorer:
         if not moe:
             raise InputError("explore needs a model with MoE layers; this one is dense (router=None).")
         self.soft = moe[0].mlp.router.per_image
-        self.image = widgets.IntSlider(0, 0, len(self.images) - 1, description="image")
+        group = 1 if self.soft else model.cfg.group_images
+        usable = len(self.images) - len(self.images) % group  # images in complete routing groups
+        if usable == 0:
+            raise InputError(f"images must hold at least one routing group ({group} images), got {len(self.images)}.")
+        self.image = widgets.IntSlider(0, 0, usable - 1, description="image")
         self.layer = widgets.IntSlider(0, 0, len(moe) - 1, description="MoE layer")
         self.capacity = widgets.SelectionSlider(options=[float(c) for c in capacities],
                                                 value=float(capacities[len(capacities) // 2]),

@@ -69,6 +69,9 @@ def test_the_widget_reroutes_on_every_control_and_the_static_figure_without_a_fr
     assert live.redraws == 4
     np.testing.assert_array_equal(live.view["expert"], explorer.routing_view(model, images, image=5, layer=1,
                                                                              capacity_factor=2.0)["expert"])
+    group = model.cfg.group_images
+    partial = explorer.Explorer(model, images[:group + 1])  # the last image has no complete group
+    assert partial.image.max == group - 1
     monkeypatch.setenv("MINI_MOE_STATIC", "1")
     assert not explorer.widget_frontend()
     fig = explorer.explore(model, images, capacities=(0.5, 1.0, 2.0))
