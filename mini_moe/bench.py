@@ -288,9 +288,9 @@ def soft_moe_expert_costs(experts=SOFT_MOE_EXPERTS, total_slots: int = 256, imag
                           dim: int = 256, hidden: int = 1024) -> list[dict]:
     """XLA's cost analysis of the ``soft_moe_experts`` benchmark's compiled forward + backward,
     per number of ``experts`` (each must divide ``total_slots``): ``{"experts", "slots_per_expert",
-    "flops", "bytes"}`` (``"bytes
-    accessed"``: what the compiled program reads and writes, parameters and gradients included).
-    A compile-time count, the same on any machine with the same XLA; no timing."""
+    "flops", "bytes"}``, where ``bytes`` is XLA's "bytes accessed", what the compiled program reads
+    and writes, parameters and gradients included. A compile-time count, the same on any machine
+    with the same XLA; no timing."""
     x = jax.random.normal(jax.random.PRNGKey(0), (images, tokens, dim))
     out = []
     for num in experts:

@@ -172,7 +172,7 @@ def _read() -> dict:
 
 
 def main(arms) -> None:
-    if V2:  # refuse to train before the registration is committed, or with other code than the pinned commit
+    if V2:  # refuse to train with other code than the pinned commit (the .sh refuses before the registration)
         source = os.environ.get("SOURCE", "")
         if not source:
             sys.exit("STUDY=v2 needs SOURCE=<pinned commit> (routing_2024_v2.sh sets it)")
