@@ -26,11 +26,6 @@ if [ -z "${SOURCE:-}" ]; then
   SOURCE=${SOURCE:-$(git rev-parse HEAD)}
 fi
 source "$(dirname "$0")/commit_result.sh"
-# Two processes (one per core) share the worktree: only one of them creates it.
-if [ "$(git -C "$TREE" rev-parse HEAD 2>/dev/null || true)" = "$(git rev-parse "$SOURCE")" ]; then
-  echo "training with the code of $(git -C "$TREE" rev-parse --short HEAD) in $TREE"
-  RUN="env PYTHONSAFEPATH=1 PYTHONPATH=$PWD/$TREE $PY"
-else
-  pin_source "$TREE" "$SOURCE"
-fi
+# pin_source leaves a worktree already at SOURCE as it is, so two processes (one per core) share it.
+pin_source "$TREE" "$SOURCE"
 STUDY=v2 SOURCE=$SOURCE MACHINE=$MACHINE COMMIT=${COMMIT:-1} $RUN "$TREE/mini_moe/results/routing_2024.py" "$@"
