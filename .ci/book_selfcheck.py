@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +43,8 @@ from browser_check import PROBE_PAGE  # .ci/ is on sys.path when this script run
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = "book/01_browser_probe"
+# A Markdown link to a numbered page of the book, e.g. [Labs](14_labs.ipynb).
+PAGE_LINK = re.compile(r"\[([^\]]+)\]\(\d\d_[\w-]+\.(?:ipynb|md)\)")
 COPIED = ("Makefile", "pyproject.toml", "references.bib", "book/intro.md", "book/references.md")
 
 # Each case: text appended to the probe chapter, the make targets, and the text that the failing
@@ -65,6 +68,10 @@ def make_book(folder: Path, extra: str) -> None:
     for rel in COPIED:
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, folder / rel)  # copy2: the venv's stamp stays newer than pyproject.toml
+    # The introduction's links to the real book's pages would dangle here: keep their text only.
+    intro = folder / "book/intro.md"
+    intro.write_text(PAGE_LINK.sub(r"\1", intro.read_text()))
+    shutil.copystat(ROOT / "book/intro.md", intro)
     shutil.copytree(ROOT / ".ci", folder / ".ci", ignore=shutil.ignore_patterns("__pycache__"))
     if (ROOT / "_static").is_dir():
         shutil.copytree(ROOT / "_static", folder / "_static")
