@@ -325,7 +325,7 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
     if shots:
         shots.mkdir(parents=True, exist_ok=True)
         browser.screenshot(shots / (page.replace("/", "_").removesuffix(".html") + ".png"))
-    problems = []
+    problems = check_explorers(browser, page, shots or html.parent / "browser-check")
     if m["unrendered"]:
         problems.append(f"{len(m['unrendered'])} of {m['math_elements']} math element(s) not typeset "
                         f"(MathJax: {state}; scripts {m['mathjax_src'] or 'none'}), "
@@ -350,6 +350,134 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
             problems.append(f"{len(lines)} code cell(s) wider than the column in a {width} px wide window, "
                             f"e.g. the line {lines[0]!r}")
     return m, [f"{page}: {p}" for p in problems]
+
+
+#: The routing explorer's data may take this many characters on one page (issue 38: 2 MB).
+EXPLORER_BUDGET = 2_000_000
+
+EXPLORER_INFO_JS = r"""JSON.stringify([...document.querySelectorAll('.mini-moe-explorer')].map(root => {
+  const script = root.querySelector('script.mme-data');
+  const data = JSON.parse(script.textContent);
+  const models = {};
+  for (const [name, m] of Object.entries(data.models))
+    models[name] = {capacities: m.capacities, layers: m.layers, slots: m.slots_per_expert,
+                    dataset: m.dataset, source: m.source};
+  const datasets = {};
+  for (const [name, d] of Object.entries(data.datasets)) datasets[name] = {count: d.images.length, source: d.source};
+  return {id: root.id, chars: script.textContent.length, models, datasets, error: root.dataset.error || null,
+          draws: Number(root.dataset.draws || 0), state: root.dataset.state || null};
+}))"""
+
+# Set control WHICH (model, capacity, layer, image, slot) of explorer ID to VALUE the way a reader
+# does (the value, then the event the control fires); the drawn state, draws and patches after it.
+EXPLORER_SET_JS = r"""((id, which, value) => {
+  const root = document.getElementById(id), c = document.getElementById(id + '-' + which);
+  c.value = String(value);
+  c.dispatchEvent(new Event(which === 'image' ? 'input' : 'change', {bubbles: true}));
+  return JSON.stringify({state: root.dataset.state, draws: Number(root.dataset.draws), value: c.value,
+    disabled: c.disabled,
+    experts: [...root.querySelectorAll('rect.mme-patch')].map(r => Number(r.dataset.expert))});
+})"""
+
+
+def _set(browser: Browser, root: str, which: str, value) -> dict:
+    return json.loads(browser.evaluate(f"{EXPLORER_SET_JS}({json.dumps(root)}, {json.dumps(which)}, "
+                                       f"{json.dumps(str(value))})"))
+
+
+def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
+    """The routing explorers on the open page (issue 38): each control changes the drawn state;
+    the expert drawn on every patch, for three settings, equals what mini_moe computes in this
+    process from the same model, images and capacity; no script error; the data within
+    :data:`EXPLORER_BUDGET`. A screenshot of each goes to ``shots``."""
+    roots = json.loads(browser.evaluate(EXPLORER_INFO_JS))
+    if not roots:
+        return []
+    import numpy as np
+
+    from mini_moe import explorer
+
+    problems = []
+    if sum(r["chars"] for r in roots) > EXPLORER_BUDGET:
+        problems.append(f"the explorers' data takes {sum(r['chars'] for r in roots):,} characters, over the "
+                        f"{EXPLORER_BUDGET:,} budget")
+    for r in roots:
+        root, models = r["id"], r["models"]
+        if r["error"] or not r["draws"]:
+            problems.append(f"explorer {root} did not draw: {r['error']}")
+            continue
+        names = list(models)
+        with_capacity = next((n for n in names if models[n]["capacities"][0] is not None), None)
+        soft = next((n for n in names if models[n]["slots"]), None)
+        # each control, moved the way a reader moves it, changes what is drawn
+        moves = []
+        if len(names) > 1:
+            moves.append(("model", names[0], names[1]))
+        if with_capacity:
+            # a model opens at its middle factor, so the first one is a change
+            moves.append(("capacity", with_capacity, f"{models[with_capacity]['capacities'][0]:g}"))
+        layered = next((n for n in names if models[n]["layers"] > 1), None)
+        if layered:
+            moves.append(("layer", layered, "1"))
+        moves.append(("image", names[0], "5"))
+        if soft:
+            moves.append(("slot", soft, "0"))
+        for which, model, value in moves:
+            before = _set(browser, root, "model", model)
+            if which != "model":
+                before = _set(browser, root, "layer", "0")
+            after = _set(browser, root, which, value)
+            if after["state"] == before["state"] or after["draws"] <= before["draws"]:
+                problems.append(f"explorer {root}: setting {which} to {value} (model {model}) changed nothing drawn")
+        # the drawn experts against mini_moe in this process, for up to three settings
+        settings = []
+        if with_capacity:
+            settings += [(with_capacity, models[with_capacity]["capacities"][0], 0, 3),
+                         (with_capacity, models[with_capacity]["capacities"][-1], models[with_capacity]["layers"] - 1, 17)]
+        other = next((n for n in names if n != with_capacity), names[0])
+        settings.append((other, models[other]["capacities"][0], models[other]["layers"] - 1, 9))
+        compared = 0
+        cache = {}
+        for name, factor, layer, image in settings:
+            m = models[name]
+            count = r["datasets"][m["dataset"]]["count"]
+            image = min(image, count - 1)
+            _set(browser, root, "model", name)
+            if factor is not None:
+                _set(browser, root, "capacity", f"{factor:g}")
+            _set(browser, root, "layer", str(layer))
+            drawn = _set(browser, root, "image", str(image))["experts"]
+            if name not in cache:
+                model, cfg, _ = explorer.load_source(m["source"], base=ROOT / "book")  # chapters run in book/
+                cache[name] = (model, explorer.test_images(cfg, r["datasets"][m["dataset"]]["source"]["first"]))
+            model, images = cache[name]
+            routings, used = explorer._route(model, images[:count], factor)
+            group = explorer._group_size(model)
+            view = explorer._view(*routings[layer], group=image // group, index=image % group,
+                                  patches=model.cfg.num_patches, factor=used,
+                                  soft=model.blocks[[b.use_moe for b in model.blocks].index(True)].mlp.router.per_image)
+            expected = np.asarray(view["expert"]).ravel().tolist()
+            if drawn != expected:
+                problems.append(f"explorer {root}: {name}, c = {factor}, layer {layer}, image {image}: drawn experts "
+                                f"{drawn}, mini_moe computes {expected}")
+            compared += len(expected)
+        print(f"    explorer {root}: {len(names)} model(s), {len(moves)} control(s) moved, {compared} drawn patches "
+              f"equal to mini_moe's routing; data {r['chars'] / 1e6:.2f} MB")
+        shots.mkdir(parents=True, exist_ok=True)
+        shot = shots / f"explorer-{page.replace('/', '_').removesuffix('.html')}-{root}.png"
+        browser.evaluate(f"document.getElementById({json.dumps(root)}).scrollIntoView()")
+        box = json.loads(browser.evaluate(f"JSON.stringify(document.getElementById({json.dumps(root)})"
+                                          ".getBoundingClientRect())"))
+        import base64
+        png = browser.call("Page.captureScreenshot", {"format": "png", "clip": {
+            "x": box["x"], "y": box["y"], "width": max(box["width"], 1), "height": max(box["height"], 1), "scale": 1}})
+        shot.write_bytes(base64.b64decode(png["data"]))
+        print(f"    screenshot: {shot}")
+    errors = [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"
+              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") in ("error", "assert"))]
+    if errors:
+        problems.append(f"{len(errors)} script error(s) on the page, e.g. {json.dumps(errors[0]['params'])[:300]}")
+    return problems
 
 
 COURSE_KIT = "Course kit"

@@ -7,12 +7,20 @@ Where no widget frontend is attached (nbval, the HTML build of the book, a scrip
 
     from mini_moe.explorer import explore
     explore(model, test_images)          # in Jupyter, JupyterLab, VS Code or Colab
+
+The online book has no kernel, so its explorer is precomputed: :func:`export` runs
+:func:`routing_view` for every model, image, MoE layer and capacity factor, and :func:`page_html`
+wraps that JSON with a small script (``mini_moe/explorer.js``, plain JavaScript, no server and no
+network) that draws the same picture in the browser. :func:`save_weights` and :func:`load_weights`
+keep a trained model in one small file (float16 weights).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import pathlib
 import sys
 
 import numpy as np
@@ -48,7 +56,7 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
     """What the explorer draws: image ``image`` of ``images [N, H, W, C]`` in MoE layer ``layer``
     (0 = the first MoE layer), routed in eval mode with its routing group (the images of the
     model's ``group_images`` that hold it; Soft MoE routes it alone) at ``capacity_factor``
-    (None: the trained one).
+    (None: the trained one; ignored where :func:`has_capacity` is False: Soft MoE, the dropless path).
 
     Returns a dict of NumPy arrays and numbers, P patches of a ``side x side`` grid, E experts:
       ``expert [side, side]`` the expert with the largest combine weight of each patch, -1 where the
@@ -57,32 +65,60 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
       expert processes, against ``capacity`` (slots per expert); ``dropped_share`` and
       ``experts_per_token`` over the group; ``slots [P, E, S]`` (Soft MoE only, else None): the
       image's dispatch weights, slot s of expert e mixes the patches with weights ``slots[:, e, s]``;
-      ``capacity_factor`` (None for Soft MoE), ``num_experts``, ``side``.
+      ``capacity_factor`` (None without a capacity: Soft MoE, the dropless path), ``num_experts``, ``side``.
     """
-    cfg = model.cfg
-    moe_layers = [block for block in model.blocks if block.use_moe]
-    if not moe_layers:
-        raise InputError("routing_view needs a model with MoE layers; this one is dense (router=None).")
+    moe_layers = _moe_layers(model)
     if not 0 <= layer < len(moe_layers):
         raise InputError(f"layer must be in 0..{len(moe_layers) - 1} (the model's MoE layers), got {layer!r}.")
     images = np.asarray(images)
     if not 0 <= image < len(images):
         raise InputError(f"image must be in 0..{len(images) - 1}, got {image!r}.")
-    router = moe_layers[layer].mlp.router
-    group = 1 if router.per_image else cfg.group_images
+    group = _group_size(model)
     start = image - image % group
     batch = images[start:start + group]
     if len(batch) < group:
         raise InputError(f"image {image} has no complete routing group of {group} images in `images`; "
                          f"pass at least {start + group} images.")
-    soft = router.per_image
-    with capacity(model, None if soft else capacity_factor), evaluate.eval_mode(model):
-        out = evaluate._forward(model, batch, return_routing=True)
-        factor = None if soft else float(router.capacity_factor)
-    rt = out.routings[layer]
-    dispatch, combine = np.asarray(rt.dispatch)[0], np.asarray(rt.combine)[0]  # the one group: [T, E, C]
-    patches = cfg.num_patches
-    rows = slice((image - start) * patches, (image - start + 1) * patches)
+    routings, factor = _route(model, batch, capacity_factor)
+    return _view(*routings[layer], group=0, index=image - start, patches=model.cfg.num_patches, factor=factor,
+                 soft=moe_layers[layer].mlp.router.per_image)
+
+
+def _moe_layers(model):
+    layers = [block for block in model.blocks if block.use_moe]
+    if not layers:
+        raise InputError("the explorer needs a model with MoE layers; this one is dense (router=None).")
+    return layers
+
+
+def _group_size(model) -> int:
+    """Images per routing group: the model's ``group_images``; 1 for Soft MoE (it routes each image alone)."""
+    return 1 if _moe_layers(model)[0].mlp.router.per_image else model.cfg.group_images
+
+
+def has_capacity(model) -> bool:
+    """Whether the model's routers have a capacity factor that the explorer can change: not Soft MoE
+    (it has slots, no capacity) and not the dropless path (nothing is dropped for capacity)."""
+    router = _moe_layers(model)[0].mlp.router
+    return not router.per_image and model.cfg.moe_path != "dropless" and hasattr(router.allocation, "capacity_factor")
+
+
+def _route(model, batch, capacity_factor):
+    """One eval-mode forward of ``batch`` (whole routing groups) at ``capacity_factor`` (ignored
+    without :func:`has_capacity`): per MoE layer ``(dispatch, combine)`` as NumPy ``[G, T, E, C]``,
+    and the factor used (None without a capacity)."""
+    factor = capacity_factor if has_capacity(model) else None
+    with capacity(model, factor), evaluate.eval_mode(model):
+        out = evaluate._forward(model, np.asarray(batch), return_routing=True)
+        factor = float(_moe_layers(model)[0].mlp.router.capacity_factor) if has_capacity(model) else None
+    return [(np.asarray(rt.dispatch), np.asarray(rt.combine)) for rt in out.routings], factor
+
+
+def _view(dispatch, combine, *, group: int, index: int, patches: int, factor, soft: bool) -> dict:
+    """:func:`routing_view`'s dict for image ``index`` of routing group ``group`` of one layer's
+    ``dispatch, combine [G, T, E, C]``."""
+    dispatch, combine = dispatch[group], combine[group]  # [T, E, C]
+    rows = slice(index * patches, (index + 1) * patches)
     reached = (dispatch > 0).any(-1)  # [T, E]
     per_expert = combine.sum(-1)  # [T, E]
     side = int(round(np.sqrt(patches)))
@@ -188,7 +224,7 @@ class Explorer:
         if not moe:
             raise InputError("explore needs a model with MoE layers; this one is dense (router=None).")
         self.soft = moe[0].mlp.router.per_image
-        group = 1 if self.soft else model.cfg.group_images
+        group = _group_size(model)
         usable = len(self.images) - len(self.images) % group  # images in complete routing groups
         if usable == 0:
             raise InputError(f"images must hold at least one routing group ({group} images), got {len(self.images)}.")
@@ -196,7 +232,7 @@ class Explorer:
         self.layer = widgets.IntSlider(0, 0, len(moe) - 1, description="MoE layer")
         self.capacity = widgets.SelectionSlider(options=[float(c) for c in capacities],
                                                 value=float(capacities[len(capacities) // 2]),
-                                                description="capacity", disabled=self.soft)
+                                                description="capacity", disabled=not has_capacity(model))
         self.slot = widgets.IntSlider(-1, -1, 0, description="slot (-1: off)", disabled=not self.soft)
         self.output = widgets.Output()
         for control in (self.image, self.layer, self.capacity, self.slot):
@@ -248,7 +284,7 @@ def explore(model, images, *, capacities=(0.5, 1.0, 2.0), image: int = 0, layer:
     moe = [block for block in model.blocks if block.use_moe]
     if not moe:
         raise InputError("explore needs a model with MoE layers; this one is dense (router=None).")
-    factors = [None] if moe[0].mlp.router.per_image else list(capacities)
+    factors = list(capacities) if has_capacity(model) else [None]
     fig, axes = plt.subplots(2, len(factors), figsize=(3.4 * len(factors), 6.2), squeeze=False)
     for column, factor in enumerate(factors):
         view = routing_view(model, images, image=image, layer=layer, capacity_factor=factor)
@@ -258,3 +294,217 @@ def explore(model, images, *, capacities=(0.5, 1.0, 2.0), image: int = 0, layer:
                                                              f" (test accuracy {accuracy:.1%})"), fontsize=10)
     fig.tight_layout()
     return fig
+
+
+# --- the precomputed explorer of the online book -------------------------------------------------
+
+#: Arrays with at least this many elements are stored in float16 by :func:`save_weights`; smaller
+#: ones (biases, norms, the loss-free bias) keep float32.
+HALF_FROM = 4096
+
+
+def save_weights(model, cfg, path, *, label: str = "", accuracy: float | None = None,
+                 origin: str | None = None) -> pathlib.Path:
+    """Write ``model``'s state (parameters and non-trainable state such as the loss-free bias; not
+    its random-number state) and its :class:`~mini_moe.config.TrainConfig` ``cfg`` to ``path``
+    (.npz, compressed). Large arrays are stored in float16 (:data:`HALF_FROM`): about 0.45 MB for
+    chapter 8's model. ``label`` is the name the explorer shows and ``accuracy`` the test accuracy
+    to show beside it, which must be measured on the model that :func:`load_weights` returns from
+    this file (the stored values, not the float32 ones; mini_moe/results/explorer_models.py does).
+    ``origin`` says which run trained it."""
+    import jax
+    from flax import nnx
+
+    from mini_moe import train
+
+    if cfg.model != model.cfg:
+        raise InputError("save_weights: cfg.model must be the model's own configuration (model.cfg).")
+    state = nnx.state(model, nnx.Not(nnx.RngState))
+    arrays = {}
+    for key, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        value = np.asarray(leaf)
+        if np.issubdtype(value.dtype, np.floating):
+            value = value.astype(np.float16 if value.size >= HALF_FROM else np.float32)
+        arrays["state" + jax.tree_util.keystr(key)] = value
+    meta = {"config": train.config_to_json(cfg), "label": label, "accuracy": accuracy, "origin": origin}
+    path = pathlib.Path(path)
+    np.savez_compressed(path, __meta__=np.array(json.dumps(meta)), **arrays)
+    return path
+
+
+def load_weights(path):
+    """The model (eval mode, float32) and :class:`~mini_moe.config.TrainConfig` stored by
+    :func:`save_weights`, and ``info = {"label", "accuracy", "origin"}``: ``(model, cfg, info)``."""
+    import jax
+    from flax import nnx
+
+    from mini_moe import train
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise InputError(f"No explorer weights at {path}; make them with mini_moe/results/explorer_models.py.")
+    with np.load(path) as stored:
+        meta = json.loads(str(stored["__meta__"]))
+        cfg = train.config_from_json(meta["config"])
+        model = train.make_model(cfg)
+        state = nnx.state(model, nnx.Not(nnx.RngState))
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+        values = []
+        for key, leaf in leaves:
+            name = "state" + jax.tree_util.keystr(key)
+            if name not in stored.files:
+                raise InputError(f"{path} has no {name}: it was saved from another model.")
+            values.append(np.asarray(stored[name]).astype(np.asarray(leaf).dtype))
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, values))
+    model.eval()
+    return model, cfg, {key: meta.get(key) for key in ("label", "accuracy", "origin")}
+
+
+def _percent(values) -> list[int]:
+    """Weights in [0, 1] as whole percents (the page's compact form)."""
+    return np.rint(100 * np.clip(np.asarray(values, np.float64), 0, 1)).astype(int).ravel().tolist()
+
+
+def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sources: dict | None = None) -> dict:
+    """The online explorer's data: every model's :func:`routing_view` for every image, MoE layer and
+    capacity factor, as plain JSON (weights in whole percents, images as base64 bytes).
+
+    Args:
+      models: name -> ``{"model", "dataset", "label", "accuracy", "source"}`` (``accuracy``: the
+        model's test accuracy, shown beside its routing; ``source``: where the model comes from, any
+        JSON, kept for a reader and for the browser check, which re-computes views from it).
+      images: dataset name -> ``float [N, H, W, 1]`` images as the models see them (standardised
+        like their training data, ``train.load_data``), whole routing groups; every model routes
+        its dataset's images, one forward per capacity factor. They are drawn rescaled to [0, 1]
+        per image.
+      capacities: the factors offered; a model without a capacity (:func:`has_capacity`) has one
+        view per layer and image, under the key ``"none"``.
+      image_sources: dataset name -> where its images come from (any JSON), kept like ``source``.
+
+    Returns ``{"datasets": {name: {"images", "size", "source"}}, "models": {name: {"label", "dataset",
+    "accuracy", "num_experts", "side", "slots_per_expert", "layers", "capacities", "capacity", "views",
+    "source"}}}`` where
+    ``views[factor][layer][image]`` holds ``expert``, ``weight``, ``experts`` (per patch, row-major),
+    ``load``, ``capacity``, ``dropped`` and ``experts_per_token``, and for Soft MoE ``slots`` (the
+    image's dispatch weights, ``[P, E, S]`` flattened).
+    """
+    import base64
+
+    out = {"datasets": {}, "models": {}}
+    for name, batch in images.items():
+        batch = np.asarray(batch)
+        if batch.ndim != 4 or batch.shape[-1] != 1:
+            raise InputError(f"images[{name!r}] must be [N, H, W, 1] grey images, got shape {batch.shape}.")
+        low = batch.min(axis=(1, 2, 3), keepdims=True)
+        span = np.maximum(batch.max(axis=(1, 2, 3), keepdims=True) - low, 1e-12)
+        pixels = np.rint(255 * (batch - low) / span)[..., 0].astype(np.uint8)
+        out["datasets"][name] = {"images": [base64.b64encode(p.tobytes()).decode() for p in pixels],
+                                 "size": int(batch.shape[1]), "source": (image_sources or {}).get(name)}
+    for name, entry in models.items():
+        model, dataset = entry["model"], entry["dataset"]
+        if dataset not in images:
+            raise InputError(f"models[{name!r}] routes dataset {dataset!r}, which `images` lacks.")
+        batch = np.asarray(images[dataset])
+        group = _group_size(model)
+        if len(batch) % group:
+            raise InputError(f"images[{dataset!r}] must hold whole routing groups of {group} images for "
+                             f"{name!r}, got {len(batch)}.")
+        layers = _moe_layers(model)
+        soft = layers[0].mlp.router.per_image
+        factors = [float(c) for c in capacities] if has_capacity(model) else [None]
+        views, capacity_of = {}, {}
+        for factor in factors:
+            routings, _ = _route(model, batch, factor)
+            key = "none" if factor is None else f"{factor:g}"
+            views[key] = []
+            for dispatch, combine in routings:
+                per_image = []
+                for i in range(len(batch)):
+                    v = _view(dispatch, combine, group=i // group, index=i % group, patches=model.cfg.num_patches,
+                              factor=factor, soft=soft)
+                    compact = {"expert": v["expert"].ravel().tolist(), "weight": _percent(v["weight"]),
+                               "experts": v["experts_per_patch"].ravel().tolist(), "load": v["load"].tolist(),
+                               "dropped": round(v["dropped_share"], 4),
+                               "experts_per_token": round(v["experts_per_token"], 4)}
+                    if soft:
+                        compact["slots"] = _percent(v["slots"])
+                    per_image.append(compact)
+                views[key].append(per_image)
+                capacity_of[key] = int(dispatch.shape[-1])
+        first = views[next(iter(views))][0][0]
+        out["models"][name] = {
+            "label": entry.get("label", name), "dataset": dataset, "accuracy": entry.get("accuracy"),
+            "num_experts": len(first["load"]), "side": int(round(np.sqrt(model.cfg.num_patches))),
+            "slots_per_expert": capacity_of[next(iter(views))] if soft else None,
+            "layers": len(layers), "capacities": [None if f is None else f for f in factors],
+            "capacity": capacity_of if factors[0] is not None else None, "views": views,
+            "source": entry.get("source"),
+        }
+    return out
+
+
+_ids = iter(range(1, 1 << 30))
+
+
+def page_html(data: dict, *, title: str = "") -> str:
+    """HTML that draws :func:`export`'s ``data`` in a browser: the data as JSON and the explorer's
+    script (``mini_moe/explorer.js``, plain JavaScript) inline, so the page works offline and from
+    a file. Show it in a notebook with ``IPython.display.HTML(page_html(data))``."""
+    import html as html_lib
+
+    script = (pathlib.Path(__file__).with_name("explorer.js")).read_text()
+    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    element = f"mini-moe-explorer-{os.getpid()}-{next(_ids)}"
+    heading = f'<p class="mme-title">{html_lib.escape(title)}</p>' if title else ""
+    return (f'<div class="mini-moe-explorer" id="{element}">{heading}'
+            f'<script type="application/json" class="mme-data">{payload}</script></div>\n'
+            f"<script>{script}</script>")
+
+
+#: The committed models of the book's explorer page (mini_moe/results/explorer_models.py).
+WEIGHTS = pathlib.Path(__file__).resolve().parent / "results" / "explorer"
+
+
+def load_source(source: dict, *, base=None):
+    """``(model, cfg, info)`` of an explorer ``source``: ``{"weights": NAME.npz}`` in
+    :data:`WEIGHTS` (:func:`load_weights`), or ``{"run": FOLDER}``, a training run's folder (its
+    newest checkpoint; ``info`` is then empty), relative to ``base`` (default: the current folder;
+    a chapter's runs are relative to ``book/``)."""
+    from mini_moe import train
+
+    if "weights" in source:
+        return load_weights(WEIGHTS / source["weights"])
+    if "run" in source:
+        model, cfg = train.load_trained(pathlib.Path(base or ".") / source["run"])
+        return model, cfg, {"label": None, "accuracy": None, "origin": str(source["run"])}
+    raise InputError(f"source must name 'weights' or 'run', got {source!r}.")
+
+
+def test_images(cfg, count: int) -> np.ndarray:
+    """The first ``count`` test images of ``cfg.dataset``, standardised as the model saw its
+    training data (``train.load_data``)."""
+    from mini_moe import train
+
+    return np.asarray(train.load_data(cfg)[1].images[:count])
+
+
+def book_data(*, count: int = 24, names=None, capacities=(0.5, 1.0, 2.0)) -> dict:
+    """:func:`export` of the committed models (:data:`WEIGHTS`; ``names``: some of them, default
+    all) on the first ``count`` test images of their datasets: the online explorer's data."""
+    files = sorted(WEIGHTS.glob("*.npz"))
+    if names is not None:
+        wanted = {f"{n}.npz" for n in names}
+        missing = wanted - {f.name for f in files}
+        if missing:
+            raise InputError(f"no committed explorer model(s) {sorted(missing)} in {WEIGHTS}.")
+        files = [f for f in files if f.name in wanted]
+    models, images = {}, {}
+    for file in files:
+        source = {"weights": file.name}
+        model, cfg, info = load_source(source)
+        if cfg.dataset not in images:
+            images[cfg.dataset] = test_images(cfg, count)
+        models[file.stem] = {"model": model, "dataset": cfg.dataset, "label": info["label"],
+                             "accuracy": info["accuracy"], "source": source | {"origin": info["origin"]}}
+    first = {"split": "test", "first": count}
+    return export(models, images, capacities=capacities, image_sources={d: first for d in images})

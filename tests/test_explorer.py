@@ -78,3 +78,84 @@ def test_the_widget_reroutes_on_every_control_and_the_static_figure_without_a_fr
     assert len(fig.axes) == 6
     with pytest.raises(ValueError, match="dense"):
         explorer.explore(_model(None), images, interactive=False)
+
+
+def test_weights_round_trip_in_float16_keeps_the_loss_free_bias_and_says_what_is_wrong(images, tmp_path):
+    cfg = config_lib.get_config("quick", dataset="digits", router="sigmoid_loss_free",
+                                model_router_kwargs={"k": 2, "capacity_factor": 2.0})
+    model = train.make_model(cfg)
+    routers = [b.mlp.router.affinity for b in model.blocks if b.use_moe]
+    for r in routers:  # a trained bias: selection depends on it, so it must survive the file
+        r.bias[...] = np.linspace(-2.0, 1.5, r.bias[...].shape[-1]).astype(np.float32)
+    path = explorer.save_weights(model, cfg, tmp_path / "m.npz", label="loss-free", accuracy=0.5, origin="a test")
+    loaded, loaded_cfg, info = explorer.load_weights(path)
+    assert loaded_cfg == cfg and info == {"label": "loss-free", "accuracy": 0.5, "origin": "a test"}
+    for a, b in zip(routers, [b.mlp.router.affinity for b in loaded.blocks if b.use_moe]):
+        np.testing.assert_array_equal(np.asarray(a.bias[...]), np.asarray(b.bias[...]))  # small arrays stay float32
+    big = next(b for b in model.blocks if b.use_moe).mlp.experts.w1
+    loaded_big = next(b for b in loaded.blocks if b.use_moe).mlp.experts.w1
+    assert big[...].size >= explorer.HALF_FROM
+    np.testing.assert_array_equal(np.asarray(loaded_big[...]), np.asarray(big[...]).astype(np.float16).astype(np.float32))
+    # the stored model routes like the original up to float16 rounding of its weights
+    before = explorer.routing_view(model, images, image=2, layer=0)
+    after = explorer.routing_view(loaded, images, image=2, layer=0)
+    assert (before["expert"] == after["expert"]).mean() >= 0.9
+    with pytest.raises(ValueError, match="No explorer weights"):
+        explorer.load_weights(tmp_path / "missing.npz")
+    with pytest.raises(ValueError, match="cfg.model must be the model's own"):
+        explorer.save_weights(_model("softmax_token_choice"), cfg, tmp_path / "x.npz")
+
+
+def test_the_export_holds_every_view_the_library_computes(images):
+    tc = _model("softmax_token_choice", k=1, capacity_factor=1.0)
+    soft = _model("soft_moe")
+    cfg = config_lib.get_config("quick", dataset="digits", router="softmax_token_choice", model_moe_path="dropless")
+    dropless = train.make_model(cfg)
+    data = explorer.export({"tc": {"model": tc, "dataset": "d", "label": "TC", "accuracy": 0.25, "source": {"x": 1}},
+                            "soft": {"model": soft, "dataset": "d"}, "dropless": {"model": dropless, "dataset": "d"}},
+                           {"d": images}, image_sources={"d": {"first": 16}})
+    assert len(data["datasets"]["d"]["images"]) == len(images) and data["datasets"]["d"]["source"] == {"first": 16}
+    m = data["models"]["tc"]
+    assert m["capacities"] == [0.5, 1.0, 2.0] and m["accuracy"] == 0.25 and m["source"] == {"x": 1}
+    assert data["models"]["soft"]["capacities"] == [None] and data["models"]["dropless"]["capacities"] == [None]
+    assert data["models"]["soft"]["slots_per_expert"] >= 1 and m["slots_per_expert"] is None
+    for layer in range(m["layers"]):
+        for image in (0, 9, 15):
+            for factor in (0.5, 2.0):
+                view = explorer.routing_view(tc, images, image=image, layer=layer, capacity_factor=factor)
+                stored = m["views"][f"{factor:g}"][layer][image]
+                assert stored["expert"] == view["expert"].ravel().tolist()
+                assert stored["load"] == view["load"].tolist() and stored["dropped"] == round(view["dropped_share"], 4)
+                np.testing.assert_allclose(stored["weight"], 100 * view["weight"].ravel(), atol=0.5)
+            assert m["capacity"][f"{factor:g}"] == view["capacity"]
+    view = explorer.routing_view(soft, images, image=4, layer=0)
+    np.testing.assert_allclose(data["models"]["soft"]["views"]["none"][0][4]["slots"], 100 * view["slots"].ravel(), atol=0.5)
+    nothing_dropped = data["models"]["dropless"]["views"]["none"][0]
+    assert all(v["dropped"] == 0 and -1 not in v["expert"] for v in nothing_dropped)
+    with pytest.raises(ValueError, match="whole routing groups"):
+        explorer.export({"tc": {"model": tc, "dataset": "d"}}, {"d": images[:5]})
+    with pytest.raises(ValueError, match="which `images` lacks"):
+        explorer.export({"tc": {"model": tc, "dataset": "e"}}, {"d": images})
+
+
+def test_the_page_html_carries_the_data_and_the_script():
+    import json
+    import re
+
+    data = {"datasets": {}, "models": {"m": {"label": "</script><b>x"}}}
+    page = explorer.page_html(data, title="T & U")
+    payload = re.search(r'<script type="application/json" class="mme-data">(.*?)</script>', page, re.S).group(1)
+    assert json.loads(payload) == data  # "</" is escaped, so the label cannot end the script early
+    assert "mountAll" in page and "T &amp; U" in page
+    assert explorer.page_html(data) != page  # every explorer gets its own element id
+
+
+def test_the_committed_models_load_and_fit_their_budget():
+    """The book's explorer page loads every committed model; the files stay within the README's
+    budget (4.5 MB in all) and each says how it was trained and how accurate its stored weights are."""
+    files = sorted(explorer.WEIGHTS.glob("*.npz"))
+    assert len(files) >= 6 and sum(f.stat().st_size for f in files) <= 4.5e6
+    for f in files:
+        model, cfg, info = explorer.load_weights(f)
+        assert info["label"] and info["origin"] and 0.5 < info["accuracy"] <= 1.0
+        assert f.stem.startswith(cfg.dataset + "-")

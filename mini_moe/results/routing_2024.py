@@ -123,9 +123,10 @@ if os.environ.get("SEEDS"):
 KEEP_EVERY = 100  # steps between the kept rows of the training log
 
 
-def config(arm: str, seed: int) -> config_lib.TrainConfig:
-    """The :class:`~mini_moe.config.TrainConfig` of one run."""
-    router, model, options = ARMS[arm]
+def config(arm: str, seed: int, arms: dict | None = None) -> config_lib.TrainConfig:
+    """The :class:`~mini_moe.config.TrainConfig` of one run of ``arms`` (default: this study's
+    :data:`ARMS`; :data:`ARMS_V2` names v2's whatever ``STUDY`` says)."""
+    router, model, options = (ARMS if arms is None else arms)[arm]
     return config_lib.get_config(confirm.SCALE, dataset=confirm.DATASET, router=router, seed=seed,
                                  model_placement="every2", model_router_kwargs=options, **model,
                                  **confirm.OVERRIDES)
