@@ -24,6 +24,12 @@ _static/mini_moe.css), and every ``<img>`` in the article has ``naturalWidth > 0
 must also show at least one typeset equation and one figure, and a probe page its LaTeX outputs.
 The pages of the table of contents' "Course kit" part (the labs, the instructor's page) are
 numbered like chapters but are not held to the equation and figure rule.
+A page with routing explorers (``.mini-moe-explorer``, mini_moe/explorer.js: the explorer page and
+chapter 8) must also pass :func:`check_explorers`: every control (router, capacity factor, MoE
+layer, image, Soft MoE slot), set the way a reader sets it, changes what is drawn; the expert drawn
+on each patch equals what mini_moe computes in this process from the same model and images, for
+one setting per model; no script error is raised or logged; the data stays within 2 MB. A screenshot of
+each explorer goes to --screenshots (default _build/browser-check) and its path is printed.
 Exit status 1 with a message saying what failed otherwise.
 """
 
@@ -352,6 +358,20 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
     return m, [f"{page}: {p}" for p in problems]
 
 
+#: Script errors that every page of this book raises and that are not the explorer's are left to
+#: the theme: those of its files in _static/ (pydata-sphinx-theme logs "Got invalid theme mode"
+#: on a page opened from disk), and this one inline: the build puts sphinx-thebe's configuration
+#: script into each page twice, and the second ``const`` declaration fails (thebe itself is not
+#: used: no launch button starts it). The explorer's script is inline in the page.
+THEME_ERROR = "Identifier 'THEBE_JS_URL' has already been declared"
+
+
+def _source(event: dict) -> str:
+    """The URL of the script that raised or logged a DevTools error event ("" if unknown)."""
+    params = event["params"]
+    details = params.get("exceptionDetails", {})
+    frames = (params.get("stackTrace") or details.get("stackTrace") or {}).get("callFrames") or []
+    return frames[0]["url"] if frames else details.get("url", "")
 #: The routing explorer's data may take this many characters on one page (issue 38: 2 MB).
 EXPLORER_BUDGET = 2_000_000
 
@@ -387,8 +407,8 @@ def _set(browser: Browser, root: str, which: str, value) -> dict:
 
 def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
     """The routing explorers on the open page (issue 38): each control changes the drawn state;
-    the expert drawn on every patch, for three settings, equals what mini_moe computes in this
-    process from the same model, images and capacity; no script error; the data within
+    the expert drawn on every patch, for one setting per model, equals what mini_moe computes in
+    this process from the same model, images and capacity; no script error; the data within
     :data:`EXPLORER_BUDGET`. A screenshot of each goes to ``shots``."""
     roots = json.loads(browser.evaluate(EXPLORER_INFO_JS))
     if not roots:
@@ -429,13 +449,12 @@ def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
             after = _set(browser, root, which, value)
             if after["state"] == before["state"] or after["draws"] <= before["draws"]:
                 problems.append(f"explorer {root}: setting {which} to {value} (model {model}) changed nothing drawn")
-        # the drawn experts against mini_moe in this process, for up to three settings
+        # the drawn experts against mini_moe in this process: for every model, one setting (the
+        # capacity factors, layers and images taken in turn)
         settings = []
-        if with_capacity:
-            settings += [(with_capacity, models[with_capacity]["capacities"][0], 0, 3),
-                         (with_capacity, models[with_capacity]["capacities"][-1], models[with_capacity]["layers"] - 1, 17)]
-        other = next((n for n in names if n != with_capacity), names[0])
-        settings.append((other, models[other]["capacities"][0], models[other]["layers"] - 1, 9))
+        for i, name in enumerate(names):
+            caps = models[name]["capacities"]
+            settings.append((name, caps[i % len(caps)], i % models[name]["layers"], (3 + 7 * i) % 24))
         compared = 0
         cache = {}
         for name, factor, layer, image in settings:
@@ -473,8 +492,9 @@ def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
             "x": box["x"], "y": box["y"], "width": max(box["width"], 1), "height": max(box["height"], 1), "scale": 1}})
         shot.write_bytes(base64.b64decode(png["data"]))
         print(f"    screenshot: {shot}")
-    errors = [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown"
-              or (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") in ("error", "assert"))]
+    errors = [e for e in browser.events if (e.get("method") == "Runtime.exceptionThrown" or (
+        e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") in ("error", "assert")))
+        and _source(e) and "/_static/" not in _source(e) and THEME_ERROR not in json.dumps(e["params"])]
     if errors:
         problems.append(f"{len(errors)} script error(s) on the page, e.g. {json.dumps(errors[0]['params'])[:300]}")
     return problems

@@ -462,7 +462,7 @@ def page_html(data: dict, *, title: str = "") -> str:
 
 
 #: The committed models of the book's explorer page (mini_moe/results/explorer_models.py).
-WEIGHTS = pathlib.Path(__file__).resolve().parent / "results" / "explorer"
+WEIGHTS = pathlib.Path(__file__).resolve().parent / "results" / "explorer-models"
 
 
 def load_source(source: dict, *, base=None):

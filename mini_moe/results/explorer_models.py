@@ -1,5 +1,5 @@
 """The models behind the book's routing explorer (book/16_explorer.md, issue 38), committed as
-float16 weights in ``mini_moe/results/explorer/NAME.npz`` (:func:`mini_moe.explorer.save_weights`).
+float16 weights in ``mini_moe/results/explorer-models/NAME.npz`` (:func:`mini_moe.explorer.save_weights`).
 
 Every model is one the book's own runs train, with the same configuration:
 
@@ -26,7 +26,7 @@ import sys
 from mini_moe import confirm, evaluate, explorer, study, train
 from mini_moe.results import routing_2024
 
-OUT = pathlib.Path(__file__).resolve().parent / "explorer"
+OUT = pathlib.Path(__file__).resolve().parent / "explorer-models"
 RUNS = pathlib.Path("runs/explorer")
 V2_RUNS = pathlib.Path("runs/routing_2024_v2")
 V2_SEED = 10
