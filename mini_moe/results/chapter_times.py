@@ -45,7 +45,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="the JSON file (default: chapter-times-<machine>.json here)")
     parser.add_argument("--machine", default="cpu-2core-epyc", help="the machine's label in the default file name")
-    parser.add_argument("pages", nargs="*", help="only these pages (e.g. 14_labs); default: every book/NN_*.ipynb")
+    parser.add_argument("pages", nargs="*", help="only these pages (e.g. 14_labs), merged into the file's other "
+                        "pages with their own commit; default: every book/NN_*.ipynb, a new file")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out or ROOT / "mini_moe" / "results" / f"chapter-times-{args.machine}.json")
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
@@ -55,6 +56,12 @@ def main(argv=None) -> int:
                       "worktree (nothing trained beforehand)",
               "command": "python mini_moe/results/chapter_times.py", "machine": bench.machine(),
               "source_commit": commit, "source_dirty": dirty, "pages": {}}
+    if args.pages and out.exists():
+        # some pages again: the others keep their times, and each page re-timed names its own commit
+        previous = json.loads(out.read_text())
+        if previous["machine"]["cpu"] != record["machine"]["cpu"] or previous["machine"]["cores"] != record["machine"]["cores"]:
+            sys.exit(f"{out} was measured on another machine ({previous['machine']['cpu']}); time every page here")
+        record = previous
     with tempfile.TemporaryDirectory() as tmp:
         tree = pathlib.Path(tmp) / "book-tree"
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree), commit], cwd=ROOT, check=True)
@@ -71,6 +78,9 @@ def main(argv=None) -> int:
                 wall = time.perf_counter() - tick
                 record["pages"][page.stem] = {"wall_seconds": round(wall, 1),
                                               "cpu_seconds": round(_children_cpu() - cpu, 1)}
+                if args.pages:
+                    record["pages"][page.stem] |= {"source_commit": commit, "source_dirty": dirty,
+                                                   "date": bench.machine()["date"]}
                 print(f"{page.stem}: {wall:.0f} s", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
