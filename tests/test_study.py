@@ -245,3 +245,33 @@ def test_verdict_words():
                          higher="lower", lower="higher").startswith("FVU lower by 0.012")
     with pytest.raises(ValueError, match="p_holm"):
         study.verdict({"difference": 0.1})
+
+
+def test_the_v2_family_is_the_registered_paired_t_with_holm_and_refuses_missing_runs():
+    """routing_2024.contrasts_v2 against scipy's paired t-test and a Holm adjustment done by hand."""
+    from mini_moe.results import routing_2024 as r24
+
+    rng = np.random.default_rng(3)
+    arms = sorted({arm for pair in r24.CONTRASTS_V2 for arm in pair})
+    shift = {arm: 0.01 * i for i, arm in enumerate(arms)}
+    runs = [{"arm": arm, "seed": seed, "test_accuracy": 0.9 + shift[arm] + 0.004 * rng.standard_normal()}
+            for arm in arms for seed in r24.SEEDS_V2]
+    rows = r24.contrasts_v2(runs)
+    acc = {(x["arm"], x["seed"]): x["test_accuracy"] for x in runs}
+    p_values = []
+    for row, (a, b) in zip(rows, r24.CONTRASTS_V2):
+        first, second = [acc[a, s] for s in r24.SEEDS_V2], [acc[b, s] for s in r24.SEEDS_V2]
+        reference = stats.ttest_rel(first, second)
+        assert row["df"] == len(r24.SEEDS_V2) - 1
+        np.testing.assert_allclose(row["difference"], np.mean(np.subtract(first, second)), rtol=1e-12)
+        np.testing.assert_allclose(row["p_value"], reference.pvalue, rtol=1e-9)
+        p_values.append(reference.pvalue)
+    order = np.argsort(p_values)
+    m, running, expected = len(p_values), 0.0, [0.0] * len(p_values)
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        expected[i] = running
+    np.testing.assert_allclose([row["p_holm"] for row in rows], expected, rtol=1e-9)
+    assert all(row["verdict"].endswith("after 2,000 steps") for row in rows)
+    with pytest.raises(ValueError, match="missing 1 run"):
+        r24.contrasts_v2(runs[1:])

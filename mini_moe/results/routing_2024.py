@@ -132,6 +132,27 @@ def config(arm: str, seed: int, arms: dict | None = None) -> config_lib.TrainCon
                                  **confirm.OVERRIDES)
 
 
+def contrasts_v2(runs: list[dict], *, contrasts=CONTRASTS_V2, seeds=SEEDS_V2, alpha: float = 0.05) -> list[dict]:
+    """v2's registered analysis (routing_2024_v2-preregistration.md): for each contrast (a, b) the
+    mean of a - b in test accuracy over the paired ``seeds``, a two-sided paired t-test (df =
+    seeds - 1; :func:`mini_moe.study.paired_t`, 95 % CI unadjusted), Holm's adjustment over the
+    whole family (``p_holm``) and the registered wording (``verdict``, in points, "after 2,000
+    steps"). Refuses an incomplete family: every arm of every contrast needs every seed."""
+    by_key = {(r["arm"], r["seed"]): r for r in runs}
+    missing = sorted({(arm, seed) for pair in contrasts for arm in pair for seed in seeds} - set(by_key))
+    if missing:
+        raise ValueError(f"the v2 family needs every seed of every arm; missing {len(missing)} run(s), e.g. "
+                         f"{missing[:3]}: run mini_moe/results/routing_2024_v2.sh")
+    rows = []
+    for a, b in contrasts:
+        diffs = [by_key[a, seed]["test_accuracy"] - by_key[b, seed]["test_accuracy"] for seed in seeds]
+        rows.append({"a": a, "b": b, "differences": diffs, **study.paired_t(diffs)})
+    for row, p in zip(rows, study.holm([r["p_value"] for r in rows])):
+        row["p_holm"] = p
+        row["verdict"] = study.verdict(row, unit=" points", scale=100, alpha=alpha) + " after 2,000 steps"
+    return rows
+
+
 def routed_counts(model, images: np.ndarray) -> list[dict]:
     """Per MoE layer, on ``images``: the tokens each expert processed and the histogram of the
     number of experts that processed each token (index n: tokens processed by n experts)."""
