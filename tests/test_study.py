@@ -275,3 +275,26 @@ def test_the_v2_family_is_the_registered_paired_t_with_holm_and_refuses_missing_
     assert all(row["verdict"].endswith("after 2,000 steps") for row in rows)
     with pytest.raises(ValueError, match="missing 1 run"):
         r24.contrasts_v2(runs[1:])
+
+
+def test_the_v2_descriptive_numbers_are_means_over_the_arms_runs():
+    from mini_moe.results import routing_2024 as r24
+
+    def run(seed, acc, loss, ept, dropped):
+        log = [{"step": s, "loss": loss + (1.0 if s < 1900 else 0.0), "router/max_violation": 0.5,
+                "router/experts_per_token": ept, "router/dropped": dropped} for s in range(100, 2001, 100)]
+        return {"arm": "tc_switch_k2", "router": "softmax_token_choice", "seed": seed, "test_accuracy": acc,
+                "steps": 2000, "train_log": log, "step_flops": 2e9,
+                "config": {"model": {"router_kwargs": [["k", 2], ["capacity_factor", 2.0]]}},
+                "mechanisms": {"layers": [{"unprocessed": dropped, "experts_per_token": ept}] * 2}}
+
+    out = r24.descriptive_v2([run(10, 0.90, 0.2, 1.5, 0.1), run(11, 0.94, 0.4, 1.9, 0.0)], "tc_switch_k2")
+    assert out["seeds"] == [10, 11] and out["step_flops"] == 2e9
+    np.testing.assert_allclose(out["test_accuracy"], 0.92)
+    np.testing.assert_allclose(out["test_sd"], np.std([0.90, 0.94], ddof=1))
+    np.testing.assert_allclose(out["train_loss"], 0.3)  # only the rows of steps 1,900 and 2,000
+    np.testing.assert_allclose(out["dropped_picks"], np.mean([1 - 1.5 / 2, 1 - 1.9 / 2]))
+    np.testing.assert_allclose(out["experts_per_token"], [1.7, 1.7])
+    np.testing.assert_allclose(out["no_expert"], [0.05, 0.05])
+    with pytest.raises(ValueError, match="no run of arm"):
+        r24.descriptive_v2([], "remoe")

@@ -153,6 +153,41 @@ def contrasts_v2(runs: list[dict], *, contrasts=CONTRASTS_V2, seeds=SEEDS_V2, al
     return rows
 
 
+def descriptive_v2(runs: list[dict], arm: str) -> dict:
+    """v2's registered descriptive numbers of one arm, mean over its runs (not tested):
+
+    ``test_accuracy`` (and ``test_sd``, over seeds), ``train_loss`` (the logged single-batch losses
+    at steps 1,900 and 2,000, the last 100 steps as far as the record keeps them: one row per 100
+    steps), per MoE layer on the 10,000 test images ``no_expert`` (tokens that reach no expert) and
+    ``experts_per_token``; at the last training step ``max_violation`` (the batch's maximal load
+    violation), ``dropped_picks`` (1 - experts per token / k; None without a k cap, ReMoE) and
+    ``no_expert_last_step``; ``step_flops``; and ``seeds``."""
+    chosen = [r for r in runs if r["arm"] == arm]
+    if not chosen:
+        raise ValueError(f"no run of arm {arm!r}")
+    last = [r["train_log"][-1] for r in chosen]
+    ks = {dict(r["config"]["model"]["router_kwargs"]).get("k") for r in chosen}
+    k = ks.pop() if len(ks) == 1 else None
+    capped = chosen[0]["router"] != "remoe" and k is not None
+    layers = len(chosen[0]["mechanisms"]["layers"])
+    accuracy = [r["test_accuracy"] for r in chosen]
+    return {
+        "seeds": sorted(r["seed"] for r in chosen),
+        "test_accuracy": float(np.mean(accuracy)),
+        "test_sd": float(np.std(accuracy, ddof=1)) if len(accuracy) > 1 else float("nan"),
+        "train_loss": float(np.mean([row["loss"] for r in chosen for row in r["train_log"]
+                                     if row["step"] > r["steps"] - 101])),
+        "no_expert": [float(np.mean([r["mechanisms"]["layers"][i]["unprocessed"] for r in chosen]))
+                      for i in range(layers)],
+        "experts_per_token": [float(np.mean([r["mechanisms"]["layers"][i]["experts_per_token"] for r in chosen]))
+                              for i in range(layers)],
+        "max_violation": float(np.mean([row["router/max_violation"] for row in last])),
+        "dropped_picks": float(np.mean([1 - row["router/experts_per_token"] / k for row in last])) if capped else None,
+        "no_expert_last_step": float(np.mean([row["router/dropped"] for row in last])),
+        "step_flops": float(np.mean([r["step_flops"] for r in chosen])),
+    }
+
+
 def routed_counts(model, images: np.ndarray) -> list[dict]:
     """Per MoE layer, on ``images``: the tokens each expert processed and the histogram of the
     number of experts that processed each token (index n: tokens processed by n experts)."""
