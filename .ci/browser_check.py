@@ -485,10 +485,11 @@ def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
         shots.mkdir(parents=True, exist_ok=True)
         shot = shots / f"explorer-{page.replace('/', '_').removesuffix('.html')}-{root}.png"
         browser.evaluate(f"document.getElementById({json.dumps(root)}).scrollIntoView()")
-        box = json.loads(browser.evaluate(f"JSON.stringify(document.getElementById({json.dumps(root)})"
-                                          ".getBoundingClientRect())"))
+        box = json.loads(browser.evaluate(f"(() => {{ const r = document.getElementById({json.dumps(root)})"
+                                          ".getBoundingClientRect(); return JSON.stringify({x: r.x + window.scrollX, "
+                                          "y: r.y + window.scrollY, width: r.width, height: r.height}); })()"))
         import base64
-        png = browser.call("Page.captureScreenshot", {"format": "png", "clip": {
+        png = browser.call("Page.captureScreenshot", {"format": "png", "clip": {  # page coordinates
             "x": box["x"], "y": box["y"], "width": max(box["width"], 1), "height": max(box["height"], 1), "scale": 1}})
         shot.write_bytes(base64.b64decode(png["data"]))
         print(f"    screenshot: {shot}")

@@ -228,7 +228,7 @@
     style.textContent = ".mini-moe-explorer{margin:1em 0;font-size:0.95em}" +
       ".mme-controls{display:flex;flex-wrap:wrap;gap:0.5em 1.2em;margin-bottom:0.5em}" +
       ".mme-control label{margin-right:0.3em}.mme-figure{display:flex;flex-wrap:wrap;gap:1em}" +
-      ".mme-key{margin-right:0.8em;white-space:nowrap}.mme-swatch{display:inline-block;width:0.9em;height:0.9em;" +
+      ".mme-legend{display:flex;flex-wrap:wrap;gap:0.2em 0.8em}.mme-key{white-space:nowrap}.mme-swatch{display:inline-block;width:0.9em;height:0.9em;" +
       "margin-right:0.25em;vertical-align:middle;border:1px solid #555}";
   }
   if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", mountAll);
