@@ -296,5 +296,8 @@ def test_the_v2_descriptive_numbers_are_means_over_the_arms_runs():
     np.testing.assert_allclose(out["dropped_picks"], np.mean([1 - 1.5 / 2, 1 - 1.9 / 2]))
     np.testing.assert_allclose(out["experts_per_token"], [1.7, 1.7])
     np.testing.assert_allclose(out["no_expert"], [0.05, 0.05])
+    fine = run(10, 0.9, 0.2, 2.7, 0.0) | {"arm": "fine_shared"}
+    fine["config"] = {"model": {"router_kwargs": [["k", 1]], "fine_grained": 4, "shared_experts": 1}}
+    np.testing.assert_allclose(r24.descriptive_v2([fine], "fine_shared")["dropped_picks"], 1 - 2.7 / 3)  # 3 routed picks
     with pytest.raises(ValueError, match="no run of arm"):
         r24.descriptive_v2([], "remoe")

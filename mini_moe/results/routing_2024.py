@@ -160,13 +160,17 @@ def descriptive_v2(runs: list[dict], arm: str) -> dict:
     at steps 1,900 and 2,000, the last 100 steps as far as the record keeps them: one row per 100
     steps), per MoE layer on the 10,000 test images ``no_expert`` (tokens that reach no expert) and
     ``experts_per_token``; at the last training step ``max_violation`` (the batch's maximal load
-    violation), ``dropped_picks`` (1 - experts per token / k; None without a k cap, ReMoE) and
+    violation), ``dropped_picks`` (1 - experts per token / routed picks, k m - shared for m fine-grained
+    parts; None without a k cap, ReMoE) and
     ``no_expert_last_step``; ``step_flops``; and ``seeds``."""
     chosen = [r for r in runs if r["arm"] == arm]
     if not chosen:
         raise ValueError(f"no run of arm {arm!r}")
     last = [r["train_log"][-1] for r in chosen]
-    ks = {dict(r["config"]["model"]["router_kwargs"]).get("k") for r in chosen}
+    # routed picks per token: k of each of the m fine-grained parts, less the shared experts
+    ks = {None if dict(r["config"]["model"]["router_kwargs"]).get("k") is None else
+          dict(r["config"]["model"]["router_kwargs"])["k"] * r["config"]["model"].get("fine_grained", 1)
+          - r["config"]["model"].get("shared_experts", 0) for r in chosen}
     k = ks.pop() if len(ks) == 1 else None
     capped = chosen[0]["router"] != "remoe" and k is not None
     layers = len(chosen[0]["mechanisms"]["layers"])
