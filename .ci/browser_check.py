@@ -470,11 +470,7 @@ def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
                 model, cfg, _ = explorer.load_source(m["source"], base=ROOT / "book")  # chapters run in book/
                 cache[name] = (model, explorer.test_images(cfg, r["datasets"][m["dataset"]]["source"]["first"]))
             model, images = cache[name]
-            routings, used = explorer._route(model, images[:count], factor)
-            group = explorer._group_size(model)
-            view = explorer._view(*routings[layer], group=image // group, index=image % group,
-                                  patches=model.cfg.num_patches, factor=used,
-                                  soft=model.blocks[[b.use_moe for b in model.blocks].index(True)].mlp.router.per_image)
+            view = explorer.batch_views(model, images[:count], factor)[layer][image]
             expected = np.asarray(view["expert"]).ravel().tolist()
             if drawn != expected:
                 problems.append(f"explorer {root}: {name}, c = {factor}, layer {layer}, image {image}: drawn experts "

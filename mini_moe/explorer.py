@@ -139,6 +139,20 @@ def _view(dispatch, combine, *, group: int, index: int, patches: int, factor, so
     }
 
 
+def batch_views(model, images, capacity_factor) -> list[list[dict]]:
+    """:func:`routing_view` of every image of ``images`` (whole routing groups) in every MoE layer,
+    from one forward pass of the whole batch at ``capacity_factor``: ``[layer][image]``. What the
+    online explorer stores (:func:`export`) and what its browser check recomputes."""
+    group = _group_size(model)
+    images = np.asarray(images)
+    if len(images) % group:
+        raise InputError(f"images must hold whole routing groups of {group} images, got {len(images)}.")
+    soft = _moe_layers(model)[0].mlp.router.per_image
+    routings, factor = _route(model, images, capacity_factor)
+    return [[_view(dispatch, combine, group=i // group, index=i % group, patches=model.cfg.num_patches,
+                   factor=factor, soft=soft) for i in range(len(images))] for dispatch, combine in routings]
+
+
 def _colour(expert: int) -> str:
     return PALETTE[expert % len(PALETTE)]
 
@@ -414,14 +428,11 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
         factors = [float(c) for c in capacities] if has_capacity(model) else [None]
         views, capacity_of = {}, {}
         for factor in factors:
-            routings, _ = _route(model, batch, factor)
             key = "none" if factor is None else f"{factor:g}"
             views[key] = []
-            for dispatch, combine in routings:
+            for layer_views in batch_views(model, batch, factor):
                 per_image = []
-                for i in range(len(batch)):
-                    v = _view(dispatch, combine, group=i // group, index=i % group, patches=model.cfg.num_patches,
-                              factor=factor, soft=soft)
+                for v in layer_views:
                     compact = {"expert": v["expert"].ravel().tolist(), "weight": _percent(v["weight"]),
                                "experts": v["experts_per_patch"].ravel().tolist(), "load": v["load"].tolist(),
                                "dropped": round(v["dropped_share"], 4),
@@ -430,7 +441,7 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
                         compact["slots"] = _percent(v["slots"])
                     per_image.append(compact)
                 views[key].append(per_image)
-                capacity_of[key] = int(dispatch.shape[-1])
+                capacity_of[key] = int(layer_views[0]["capacity"])
         first = views[next(iter(views))][0][0]
         out["models"][name] = {
             "label": entry.get("label", name), "dataset": dataset, "accuracy": entry.get("accuracy"),
