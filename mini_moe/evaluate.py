@@ -35,6 +35,7 @@ from flax import nnx
 from mini_moe import augment
 from mini_moe import layer, parallel
 from mini_moe import losses as losses_lib
+from mini_moe.model import MoeLayer
 from mini_moe import routers as routers_lib
 from mini_moe import routing as routing_lib
 from mini_moe.validate import InputError
@@ -93,9 +94,37 @@ def features(model, images: np.ndarray, *, batch_size: int = 256) -> np.ndarray:
     return _collect(model, images, "features", batch_size)
 
 
-def accuracy(model, dataset, *, batch_size: int = 512) -> float:
-    """Top-1 accuracy over a dataset (images already normalised like the training data)."""
-    logits = _collect(model, dataset.images, "logits", batch_size)
+@contextlib.contextmanager
+def dropless_mode(model):
+    """Compute every MoE layer of ``model`` on the dropless path for the block (every pick reaches
+    its expert, no capacity), then restore each layer's own path: ``with dropless_mode(model): ...``.
+
+    Evaluating a model trained with capacity this way separates what dropping cost in training from
+    what it costs at inference (DeepSeek-V3 drops no token at inference, its Sec. 2.1.2). Only
+    Token Choice routers have a dropless path; any other MoE layer raises ``InputError``.
+    """
+    moe_layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoeLayer)]
+    others = sorted({type(m.router.allocation).__name__ for m in moe_layers
+                     if not isinstance(m.router.allocation, routers_lib.TokenChoice)})
+    if others:
+        raise InputError(f"dropless evaluation needs Token Choice routers in every MoE layer; this model has {others}.")
+    saved = [(m, m.path) for m in moe_layers]
+    for m in moe_layers:
+        m.path = "dropless"
+    try:
+        yield model
+    finally:
+        for m, path in saved:
+            m.path = path
+
+
+def accuracy(model, dataset, *, batch_size: int = 512, dropless: bool = False) -> float:
+    """Top-1 accuracy over a dataset (images already normalised like the training data), the
+    images in their order, in batches of ``batch_size`` routed in the model's groups. With
+    ``dropless=True`` every MoE layer runs on the dropless path (:func:`dropless_mode`): no pick
+    is dropped, so the result no longer depends on how the images are grouped."""
+    with dropless_mode(model) if dropless else contextlib.nullcontext():
+        logits = _collect(model, dataset.images, "logits", batch_size)
     return float(np.mean(np.argmax(logits, -1) == dataset.labels))
 
 

@@ -399,3 +399,27 @@ def test_routing_accuracy_is_the_best_matching_of_main_experts(router):
         assert got["unprocessed"] > 0  # Expert Choice leaves some patches to no expert
     with pytest.raises(ValueError, match=r"tasks must be \[N, P\]"):
         evaluate.routing_accuracy(model, images, tasks[:, :4])
+
+
+def test_dropless_evaluation_equals_the_dropless_model_and_ignores_grouping(digits):
+    """evaluate.accuracy(..., dropless=True) on a model trained with capacity computes what the same
+    weights compute in a model built with moe_path="dropless" (an independent construction), does
+    not depend on how the images are grouped, and leaves the model's own path in place."""
+    images, labels = digits[1].images[:96], digits[1].labels[:96]
+    capped = _model("softmax_token_choice", 0.5)  # C = T / (2E): most tokens are dropped
+    built = _model("softmax_token_choice", 0.5, model_moe_path="dropless")
+    nnx.update(built, nnx.state(capped))
+    dataset = dataclasses.replace(digits[1], images=images, labels=labels)
+    with evaluate.dropless_mode(capped):
+        logits = evaluate._collect(capped, images, "logits", 48)
+        order = np.random.default_rng(0).permutation(len(images))  # other images in every group
+        regrouped = evaluate._collect(capped, images[order], "logits", 48)
+    np.testing.assert_allclose(logits, evaluate._collect(built, images, "logits", 48), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(regrouped, logits[order], rtol=1e-5, atol=1e-5)
+    assert {b.mlp.path for b in capped.blocks if b.use_moe} == {"auto"}  # restored
+    # with drops, the capped evaluation differs from the dropless one on these images
+    assert not np.allclose(evaluate._collect(capped, images, "logits", 48), logits, atol=1e-3)
+    assert evaluate.accuracy(capped, dataset, batch_size=48, dropless=True) == pytest.approx(
+        float(np.mean(np.argmax(logits, -1) == labels)))
+    with pytest.raises(ValueError, match="Token Choice"):
+        evaluate.accuracy(_model("softmax_expert_choice", 1.0), dataset, dropless=True)
