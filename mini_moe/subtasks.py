@@ -23,6 +23,7 @@ Metrics (:func:`evaluate_layer`, on fresh test groups):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from typing import Any
@@ -244,7 +245,7 @@ def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0, return
     best = []  # (step, best validation FVU so far)
     rng = np.random.default_rng(cfg.seed)
     layer = SubtaskLayer(cfg, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
-    optimizer = nnx.Optimizer(layer, optax.adam(cfg.learning_rate), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(layer, _adam(cfg.learning_rate), wrt=nnx.Param)
     curve, tick = [], time.perf_counter()
     for step in range(1, cfg.steps + 1):
         x, y, _ = teacher.sample(rng, cfg.groups)
@@ -259,6 +260,14 @@ def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0, return
     out = {"config": dataclasses.asdict(cfg), "curve": curve, "final": curve[-1], "steps": curve[-1]["step"],
            "stopped": curve[-1]["step"] < cfg.steps, "seconds": round(time.perf_counter() - tick, 2)}
     return (out, layer, test) if return_layer else out
+
+
+@functools.lru_cache(maxsize=16)
+def _adam(learning_rate: float) -> optax.GradientTransformation:
+    """One (stateless) Adam transformation per learning rate, shared by the runs: the jitted
+    training step is cached by the optimizer's structure, which holds it, so runs that share it
+    compile the step once (as :func:`mini_moe.train.make_optimizer` does)."""
+    return optax.adam(learning_rate)
 
 
 def _converged(best: list[tuple[int, float]], patience: int, tolerance: float) -> bool:

@@ -18,6 +18,7 @@ stops training with a ``ValueError``; the newest checkpoint on disk is the last 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import shutil
@@ -82,12 +83,24 @@ def weight_decay_mask(params):
 def make_optimizer(model: VisionMoE, cfg: TrainConfig) -> nnx.Optimizer:
     """AdamW on a linear-warmup + cosine schedule, with global-norm clipping; weight decay
     on the weight matrices only (:func:`weight_decay_mask`)."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.learning_rate, cfg.warmup_steps, cfg.steps, end_value=cfg.learning_rate * 0.01
-    )
-    adamw = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=weight_decay_mask)
-    tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+    tx = _transform(cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.weight_decay, cfg.grad_clip)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@functools.lru_cache(maxsize=64)
+def _transform(learning_rate: float, warmup_steps: int, steps: int, weight_decay: float,
+               grad_clip: float) -> optax.GradientTransformation:
+    """The optax transformation of :func:`make_optimizer`, one object per set of hyperparameters.
+
+    It is stateless (its state lives in the optimizer), so runs may share it, and they should:
+    the optimizer's structure holds this object, and ``nnx.jit`` caches the compiled training
+    step by that structure. A new object per run would compile the same step again for every
+    run of a study or every resume (measured: 9 s of a 10 s two-layer run on a 2-core EPYC).
+    """
+    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, steps,
+                                                  end_value=learning_rate * 0.01)
+    adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=weight_decay_mask)
+    return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
 
 
 def load_data(cfg: TrainConfig):

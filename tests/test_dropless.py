@@ -31,7 +31,7 @@ def _output_and_grads(layer, x):
         y, out = layer(x)
         return jnp.sum(jnp.sin(y)) + out.aux_loss, y
 
-    (_, y), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+    (_, y), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer)  # one compile, not op by op
     return y, grads
 
 
@@ -82,12 +82,16 @@ def test_unknown_path_is_named():
 
 
 def test_a_dropless_model_trains_and_is_diagnosed(tmp_path):
+    # a small model: the property (nothing dropped, one expert per token) does not need the quick size
     cfg = config_lib.get_config("quick", dataset="digits", router="softmax_token_choice", steps=3, eval_every=3,
-                                checkpoint_every=3, model_moe_path="dropless")
+                                checkpoint_every=3, model_moe_path="dropless", batch_size=32, eval_batch_size=64,
+                                model_dim=16, model_depth=2, model_heads=2, model_mlp_dim=16, model_num_experts=4,
+                                model_group_images=4)
     train.train(cfg, tmp_path / "run", progress=False)
     model, _ = train.load_trained(tmp_path / "run")
     datasets = train.load_data(cfg)
-    mech = evaluate.mechanisms(model, datasets[1].images[:64], stability_images=64)
+    mech = evaluate.mechanisms(model, datasets[1].images[:64], stability_images=16)
+    assert mech["layers"]
     for layer in mech["layers"]:
         assert layer["unprocessed"] == 0 and layer["experts_per_token"] == 1
 
@@ -171,7 +175,7 @@ def test_a_dropless_model_is_the_same_with_the_blocked_kernel(variant):
             out = model(images)
             return jnp.sum(jnp.sin(out.logits) * jnp.arange(out.logits.shape[-1])) + out.aux_loss, out.logits
 
-        (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+        (_, logits), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)  # one compile, not op by op
         return logits, grads
 
     ragged, blocked = logits_and_grads("ragged_dot"), logits_and_grads("blocked")

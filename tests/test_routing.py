@@ -11,6 +11,9 @@ import mini_moe
 from mini_moe import routing
 
 SETTINGS = settings(max_examples=25, deadline=None)
+# The property tests call the allocations jitted: one XLA compilation per drawn shape and setting
+# instead of one per primitive run eagerly (test_jit_and_vmap_match_eager checks that the two agree).
+_token_choice = jax.jit(routing.token_choice, static_argnames=("capacity", "k", "batch_priority"))
 
 
 @st.composite
@@ -56,7 +59,7 @@ def test_token_choice_invariants(scores, data):
     k = data.draw(st.integers(1, experts))
     cap = data.draw(st.integers(1, tokens + 1))
     bpr = data.draw(st.booleans())
-    rt = routing.token_choice(scores, capacity=cap, k=k, batch_priority=bpr)
+    rt = _token_choice(scores, capacity=cap, k=k, batch_priority=bpr)
     d, c = np.asarray(rt.dispatch), np.asarray(rt.combine)
     assert d.shape == (groups, tokens, experts, cap)
     assert set(np.unique(d)) <= {0.0, 1.0}  # hard assignment
@@ -80,7 +83,7 @@ def test_token_choice_equals_algorithm_1_loop(scores, data):
     cap = data.draw(st.integers(1, tokens))
     bpr = data.draw(st.booleans())
     combine_scores = np.random.default_rng(0).random(scores.shape).astype(np.float32)
-    rt = routing.token_choice(scores, capacity=cap, k=k, batch_priority=bpr, combine_scores=combine_scores)
+    rt = _token_choice(scores, capacity=cap, k=k, batch_priority=bpr, combine_scores=combine_scores)
     for g in range(groups):
         d, c = routing.token_choice_loop(
             scores[g], capacity=cap, k=k, batch_priority=bpr, combine_scores=combine_scores[g]
