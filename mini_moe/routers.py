@@ -217,8 +217,9 @@ class SigmoidGates(Affinity):
 
     In training mode every call updates the bias from the load of the whole batch it routed
     (all groups): ``b_e += bias_rate * sign(mean load - load_e)``, so an overloaded expert
-    becomes less attractive for the next step. It is a dual ascent step on the constraint "every
-    expert gets T k / E picks", the balance constraint Sinkhorn and Expert Choice enforce exactly.
+    becomes less attractive for the next step. It is a sign step of dual descent (on the dual
+    function g of chapter 12, eq. 12.3) for the constraint "every expert gets T k / E picks", the
+    balance constraint Sinkhorn and Expert Choice enforce exactly.
 
     Args:
       bias_rate: u, the bias update speed (DeepSeek-V3: 1e-3).
@@ -234,6 +235,9 @@ class SigmoidGates(Affinity):
         ``num_groups`` equal groups (devices, in a deployment), a group scores the sum of its
         two highest biased scores (its highest when it holds one expert), each token keeps its
         ``top_groups`` best groups and picks its k experts inside them. ``num_groups=1``: off.
+        The two is DeepSeek-V3's rule, the sum of a group's K_r / M highest scores (Sec. 2.1.2),
+        at its K_r = 8 and M = 4; the library fixes it at 2 whatever ``k`` and ``top_groups``
+        are. DeepSeek-V2's device-limited routing scores a group by its highest score instead.
 
     Under gradient accumulation (``defer = True``, set by :func:`defer_updates`) a call does not
     move the bias: the training step sums the micro-batches' ``pick_load`` and calls

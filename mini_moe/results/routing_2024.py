@@ -26,8 +26,11 @@ layer the tokens each expert processed and the histogram of experts per token on
 and the CPU it trained on (``cpu``: times compare only between runs on the same machine). Runs
 already recorded are skipped, so the script resumes.
 
-All arms activate the same FLOPs per token except ``tc_c2`` and the dropless ones, whose cost
-depends on the routing (that is what chapter 13 measures).
+Activated FLOPs per token: the k = 1 arms (coarse, fine-grained with or without a shared expert,
+dropless) activate the same; ``tc_c2`` has twice the slots, the k = 2 arms activate twice the
+experts, and ReMoE's count varies per token (about one on average). What is computed differs
+again: v1's ``remoe`` had buffers of T slots and so computed every expert on every token (8x);
+v2's runs it on the dropless path, which computes only the picks made.
 """
 
 from __future__ import annotations
