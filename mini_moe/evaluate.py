@@ -17,6 +17,8 @@
 * :func:`group_dependence` — one router and MoE layer: how often an image's tokens get a
   different layer output when the other images of its routing group change.
 * :func:`expert_maps` and :func:`plot_expert_maps` — which expert each patch went to.
+* :func:`dropless_mode` — a model trained with capacity, evaluated with no pick dropped
+  (``accuracy(..., dropless=True)``).
 
 All functions run the model in eval mode (no router noise) and leave every module in the
 mode they found it in (train, eval, or a mix).
