@@ -51,6 +51,11 @@ LAYER_SHAPES = {
     "b32": (8, 49, 1, 768, 3072, 32),  # about 12 tokens per expert: measures weight traffic
     "b16": (16, 196, 1, 768, 3072, 8),  # 16 images of 196 tokens (B/16 at 224 px): 392 tokens per expert
 }
+#: The router shapes of issue 36 §5, where the routers were compared with google-research/vmoe's:
+#: G = 8 routing groups of T = 1024 tokens (one 1024-token image each) or T = 392 (8 images of 49
+#: tokens, B/32-like), E = 32 experts, D = 768 (same tuple layout as :data:`LAYER_SHAPES`).
+ROUTER_SHAPES = {"g8_t1024": (1, 1024, 8, 768, 3072, 32), "g8_t392": (8, 49, 8, 768, 3072, 32)}
+_SHAPES = {**LAYER_SHAPES, **ROUTER_SHAPES}
 
 
 def committed(name: str) -> dict:
@@ -124,12 +129,12 @@ def _fwd_bwd(module_fn):
 
 
 def _router_and_tokens(name: str, shape: str, rngs: nnx.Rngs, **router_kwargs):
-    """Router ``name`` at the ``LAYER_SHAPES[shape]`` sizes and its input ``[G, T, D]``:
-    ``groups`` routing groups of ``images x tokens`` tokens (Soft MoE: one group per image,
-    S = C(tokens, E, 1) slots, :func:`mini_moe.routing.capacity`)."""
-    if shape not in LAYER_SHAPES:
-        raise InputError(f"shape must be one of {sorted(LAYER_SHAPES)}, got {shape!r}.")
-    per_group, tokens, groups, dim, _, experts = LAYER_SHAPES[shape]
+    """Router ``name`` at the ``LAYER_SHAPES[shape]`` (or ``ROUTER_SHAPES[shape]``) sizes and its
+    input ``[G, T, D]``: ``groups`` routing groups of ``images x tokens`` tokens (Soft MoE: one
+    group per image, S = C(tokens, E, 1) slots, :func:`mini_moe.routing.capacity`)."""
+    if shape not in _SHAPES:
+        raise InputError(f"shape must be one of {sorted(_SHAPES)}, got {shape!r}.")
+    per_group, tokens, groups, dim, _, experts = _SHAPES[shape]
     spec = routers_lib.spec(name)
     if spec.allocation == "soft":
         router_kwargs.setdefault("slots_per_expert", routing_lib.capacity(tokens, experts, 1.0))
@@ -182,6 +187,12 @@ def router_benchmarks(repeats: int, shape: str = "quick") -> list[dict]:
                         "forward_backward_ms": round(both, 3)})
         print(f"  router {shape:5s} {name:36s} {forward:9.2f} ms fwd {both:9.2f} ms fwd+bwd", flush=True)
     return results
+
+
+def reference_router_benchmarks(repeats: int) -> list[dict]:
+    """:func:`router_benchmarks` at the :data:`ROUTER_SHAPES` (issue 36 §5: E = 32, D = 768,
+    G = 8 groups of 1024 or 392 tokens)."""
+    return [row for shape in ROUTER_SHAPES for row in router_benchmarks(repeats, shape)]
 
 
 def dense_mlp_ms(shape: str = "quick", *, repeats: int = 20, hidden: int | None = None) -> float:
@@ -509,7 +520,8 @@ def loss_free_benchmarks(repeats: int, rounds: int = 7) -> list[dict]:
 
 
 #: The parts of :func:`run`, in order; ``python -m mini_moe bench --only`` offers these names.
-PARTS = {"routers": router_benchmarks, "layer": layer_benchmarks, "layer_width": layer_width_benchmarks,
+PARTS = {"routers": router_benchmarks, "routers_reference": reference_router_benchmarks, "layer": layer_benchmarks,
+         "layer_width": layer_width_benchmarks,
          "soft_moe_experts": soft_moe_expert_benchmarks, "training": training_benchmarks,
          "sparsity_solver": sparsity_solver_benchmarks, "dropless": dropless_benchmarks,
          "loss_free": loss_free_benchmarks}
@@ -531,7 +543,7 @@ def run(repeats: int = 20, only: str | None = None) -> dict:
 def summary(results: dict) -> str:
     lines = [f"machine: {results['machine']['cpu']} ({results['machine']['cores']} cores, "
              f"{results['machine']['backend']})"]
-    for r in results.get("routers", []):
+    for r in results.get("routers", []) + results.get("routers_reference", []):
         lines.append(f"router {r['shape']:5s} {r['router']:36s} {r['forward_ms']:9.2f} ms fwd "
                      f"{r['forward_backward_ms']:9.2f} ms fwd+bwd")
     for r in results.get("layer", []):

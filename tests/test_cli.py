@@ -206,3 +206,15 @@ def test_soft_moe_expert_costs_flat_flops_growing_bytes():
     assert costs[1]["bytes"] - costs[0]["bytes"] >= weights
     with pytest.raises(ValueError, match="experts must divide total_slots=8"):
         bench.soft_moe_expert_costs(experts=(3,), total_slots=8)
+
+
+def test_the_reference_router_shapes_are_issue_36s():
+    """bench --only routers_reference times the routers at E = 32, D = 768 and G = 8 groups of 1024
+    or 392 tokens; Soft MoE routes each image on its own."""
+    from flax import nnx
+
+    for shape, tokens, images in (("g8_t1024", 1024, 1), ("g8_t392", 392, 8)):
+        router, x = bench._router_and_tokens("softmax_token_choice", shape, nnx.Rngs(0))
+        assert x.shape == (8, tokens, 768) and router.affinity.dense.kernel.shape == (768, 32)
+        _, x = bench._router_and_tokens("soft_moe", shape, nnx.Rngs(0))
+        assert x.shape == (8 * images, tokens // images, 768)
