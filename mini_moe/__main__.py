@@ -322,8 +322,10 @@ def _add_subtasks(sub):
                        "per router (resumable)", description=subtasks.__doc__.split("\n\n")[0],
                        **_examples("python -m mini_moe subtasks --routers dense softmax_expert_choice --seeds 0 1",
                                    "python -m mini_moe subtasks --frequencies skewed --steps 20000 --patience 1000"))
-    p.add_argument("--routers", nargs="+", default=list(subtasks.ROUTER_CHOICES), choices=subtasks.ROUTER_CHOICES,
-                   metavar="ROUTER", help="routers, 'dense' and/or 'dense_wide' (default: all)")
+    p.add_argument("--routers", nargs="+", default=list(subtasks.ROUTER_CHOICES),
+                   choices=subtasks.ROUTER_CHOICES + subtasks.VARIANT_CHOICES, metavar="ROUTER",
+                   help="routers, 'dense' and/or 'dense_wide' (default: all of these), or study variants such as "
+                        "softmax_token_choice_frozen (the routing controls)")
     p.add_argument("--frequencies", nargs="+", default=list(subtasks.FREQUENCIES), choices=subtasks.FREQUENCIES)
     p.add_argument("--capacities", nargs="+", type=float, default=[1.0], help="capacity factors c")
     p.add_argument("--seeds", nargs="+", type=int, default=list(range(8)))

@@ -50,7 +50,8 @@ class SubtaskConfig:
     """One run of the controlled experiment.
 
     Attributes:
-      router: a router name (``mini_moe.ROUTERS``), or ``"dense"`` (one MLP of width
+      router: a router name (``mini_moe.ROUTERS``), a study variant (:data:`mini_moe.study.VARIANTS`,
+        e.g. ``"softmax_token_choice_frozen"``: the router with its weights frozen), or ``"dense"`` (one MLP of width
         ``hidden``: equal activated compute) or ``"dense_wide"`` (width ``tasks * hidden``:
         equal parameters, a reference that needs ``tasks`` times the compute).
       capacity: capacity factor c (:func:`mini_moe.study.capacity_options`).
@@ -87,9 +88,9 @@ class SubtaskConfig:
     tolerance: float = 0.01
 
     def __post_init__(self):
-        if self.router not in ("dense", "dense_wide") and self.router not in routers_lib.ROUTERS:
+        if self.router not in ROUTER_CHOICES + VARIANT_CHOICES:
             raise InputError(f"Unknown router {self.router!r}; expected 'dense', 'dense_wide' or one of: "
-                             f"{', '.join(sorted(routers_lib.ROUTERS))}.")
+                             f"{', '.join(ROUTER_CHOICES[2:] + VARIANT_CHOICES)}.")
         if self.frequencies not in FREQUENCIES:
             raise InputError(f"frequencies must be one of {FREQUENCIES}, got {self.frequencies!r}.")
         for name in ("tasks", "dim", "hidden", "group_tokens", "groups", "steps", "eval_every"):
@@ -152,8 +153,9 @@ class SubtaskLayer(MoeLayer):
             width = cfg.hidden * (cfg.tasks if cfg.router == "dense_wide" else 1)
             super().__init__(None, MlpExperts(1, cfg.dim, width, rngs=rngs))
         else:
-            kwargs = study.capacity_options(cfg.router, cfg.capacity, tokens=cfg.group_tokens, num_experts=cfg.tasks)
-            router = routers_lib.make_router(cfg.router, cfg.dim, cfg.tasks, rngs=rngs, **kwargs)
+            name, options = study.VARIANTS.get(cfg.router, (cfg.router, {}))
+            kwargs = study.capacity_options(name, cfg.capacity, tokens=cfg.group_tokens, num_experts=cfg.tasks)
+            router = routers_lib.make_router(name, cfg.dim, cfg.tasks, rngs=rngs, **kwargs, **options)
             super().__init__(router, MlpExperts(cfg.tasks, cfg.dim, cfg.hidden, rngs=rngs))
 
     def __call__(self, x: Array):
@@ -278,8 +280,12 @@ def _converged(best: list[tuple[int, float]], patience: int, tolerance: float) -
     return bool(before) and not now < (1 - tolerance) * before[-1]
 
 
-#: The models :func:`run_experiment` can train: the dense layers and every registered router.
+#: The models :func:`run_experiment` trains by default: the dense layers and every registered router.
 ROUTER_CHOICES = ("dense", "dense_wide") + tuple(sorted(routers_lib.ROUTERS))
+#: What it can train besides: the study's variants (:data:`mini_moe.study.VARIANTS`), among them
+#: the routing controls (a router with its weights frozen at initialisation).
+VARIANT_CHOICES = tuple(sorted(study.VARIANTS))
+_ORDER = ROUTER_CHOICES + VARIANT_CHOICES
 
 
 def run_experiment(out_path, *, routers=ROUTER_CHOICES, frequencies=FREQUENCIES, capacities=(1.0,), seeds=range(8),
@@ -335,7 +341,7 @@ def paired(results: dict, better: str, worse: str, *, frequencies: str, capacity
 
 def summary(results: dict, *, capacity: float = 1.0) -> list[dict]:
     """Per (frequencies, router): mean and standard deviation over seeds of every final metric,
-    and the number of seeds. Routers in :data:`ROUTER_CHOICES` order."""
+    and the number of seeds. Routers in :data:`ROUTER_CHOICES` order, then the variants."""
     groups: dict[tuple, list[dict]] = {}
     for r in results["runs"]:
         c = r["config"]
@@ -343,7 +349,7 @@ def summary(results: dict, *, capacity: float = 1.0) -> list[dict]:
             groups.setdefault((c["frequencies"], c["router"]), []).append(r["final"])
     rows = []
     for (freq, router), finals in sorted(groups.items(), key=lambda kv: (FREQUENCIES.index(kv[0][0]),
-                                                                         ROUTER_CHOICES.index(kv[0][1]))):
+                                                                         _ORDER.index(kv[0][1]))):
         row = {"frequencies": freq, "router": router, "seeds": len(finals)}
         for key in finals[0]:
             if key != "step":

@@ -171,3 +171,27 @@ def test_study_variants_set_exactly_their_options():
                 assert not nnx.state(moe, nnx.Param) and nnx.state(moe, routers.FrozenWeight)
             else:
                 assert getattr(moe.affinity, key) == value
+
+
+def test_the_controlled_experiment_trains_a_frozen_router_as_its_routing_control():
+    """``subtasks.SubtaskConfig(router=<study variant>)``: chapter 9's experiment with the router's
+    weights frozen, the token-level routing control of issue 34. The frozen layer starts from the
+    same router weights as the learned one of the same seed, keeps them through training, and its
+    experts still learn; an unknown name is refused with the variants in the message."""
+    from mini_moe import subtasks
+
+    small = dict(tasks=4, dim=8, hidden=8, group_tokens=32, groups=2, steps=3, eval_every=3, seed=3)
+    learned = subtasks.SubtaskLayer(subtasks.SubtaskConfig(router="softmax_token_choice", **small),
+                                    rngs=nnx.Rngs(params=3, noise=4))
+    result, frozen, _ = subtasks.run(subtasks.SubtaskConfig(router="softmax_token_choice_frozen", **small),
+                                     test_groups=2, return_layer=True)
+    assert not nnx.state(frozen.router, nnx.Param)
+    _assert_same(_leaves(nnx.state(frozen.router, routers.FrozenWeight)),
+                 _leaves(nnx.state(learned.router, nnx.Param)))
+    fresh = subtasks.SubtaskLayer(subtasks.SubtaskConfig(router="softmax_token_choice_frozen", **small),
+                                  rngs=nnx.Rngs(params=3, noise=4))
+    assert any(np.any(a != b) for a, b in zip(_leaves(nnx.state(frozen.experts, nnx.Param)),
+                                              _leaves(nnx.state(fresh.experts, nnx.Param))))
+    assert result["config"]["router"] == "softmax_token_choice_frozen" and 0 <= result["final"]["routing_accuracy"] <= 1
+    with pytest.raises(InputError, match="softmax_expert_choice_frozen"):
+        subtasks.SubtaskConfig(router="softmax_token_choice_frozn")

@@ -78,8 +78,9 @@ for _label, _router in (("dense", DENSE), ("ec", EC), ("ec_frozen", EC_FROZEN), 
                         ("tc_frozen", TC_FROZEN), ("hash", HASH)):
     GROUPS[f"gpu_long_{_label}"] = [run(_router, s, dataset="subtask_vote_d4_h1", steps=12000, eval_every=1000,
                                         max_seconds=400) for s in (0, 1)]
-    # planned next (gpu_long left every arm at 80-94 % with a 3-13 point seed spread): the harder
-    # teachers, where one expert-sized MLP loses most in the token probe
+    # next (gpu_long left every arm at 80-94 % with a 3-13 point seed spread): the harder teachers,
+    # where one expert-sized MLP loses most in the token probe (ran on a lent H100 without hash:
+    # seed 0 of both, seed 1 of h = 4; see the results README)
     for _h in (4, 16):
         GROUPS[f"gpu_h{_h}_{_label}"] = [run(_router, s, dataset=f"subtask_vote_d4_h{_h}", steps=12000,
                                              eval_every=1000, max_seconds=400) for s in (0, 1)]
