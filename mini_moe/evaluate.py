@@ -363,6 +363,35 @@ def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[n
     return [np.concatenate(layer) for layer in zip(*batches)]
 
 
+def slot_mixing(model, images: np.ndarray, *, batch_size: int = 256) -> list[dict]:
+    """How many tokens a Soft MoE slot mixes, per MoE layer (Soft MoE only).
+
+    A slot's input is a weighted average of its image's T tokens, with dispatch weights ``w``
+    summing to 1. Per layer: ``tokens_per_slot``, the mean over slots and images of the effective
+    number of tokens ``1 / sum_t w_t**2`` (T when the slot averages every token equally, 1 when it
+    takes one token); ``max_weight``, the mean of a slot's largest weight (1/T to 1); ``tokens``
+    (T), ``slots`` (E x S) and ``scale``, the learned scale of the normalised logits
+    (:class:`~mini_moe.routers.SlotLogits`, initialised at 1: larger values sharpen the weights).
+    """
+    layers = [block.mlp for block in model.blocks if block.use_moe]
+    if not layers or not all(isinstance(m.router.affinity, routers_lib.SlotLogits) for m in layers):
+        raise InputError("slot_mixing needs a Soft MoE model (router='soft_moe'): only its slots mix tokens.")
+    sums = None  # per layer: [sum of effective tokens, sum of max weights, slot count]
+    with eval_mode(model):
+        for batch, n in _padded_batches(model, images, batch_size):
+            out = _forward(model, batch, return_routing=True)
+            per_layer = []
+            for rt in out.routings:
+                w = np.asarray(rt.dispatch, np.float64)[:n]  # [images, T, E, S]: one image per group
+                per_layer.append(np.array([np.sum(1 / np.sum(w**2, axis=1)), np.sum(w.max(axis=1)),
+                                           w.shape[0] * w.shape[2] * w.shape[3]]))
+            sums = per_layer if sums is None else [a + b for a, b in zip(sums, per_layer)]
+    return [{"tokens_per_slot": float(total[0] / total[2]), "max_weight": float(total[1] / total[2]),
+             "tokens": model.cfg.num_patches, "scale": float(m.router.affinity.scale[...]),
+             "slots": m.router.affinity.num_experts * m.router.affinity.slots_per_expert}
+            for total, m in zip(sums, layers)]
+
+
 def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 400,
                stability_images: int = 2000) -> dict:
     """The mechanisms behind accuracy differences between routers, measured on ``images``.

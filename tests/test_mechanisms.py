@@ -423,3 +423,29 @@ def test_dropless_evaluation_equals_the_dropless_model_and_ignores_grouping(digi
         float(np.mean(np.argmax(logits, -1) == labels)))
     with pytest.raises(ValueError, match="Token Choice"):
         evaluate.accuracy(_model("softmax_expert_choice", 1.0), dataset, dropless=True)
+
+
+def test_slot_mixing_counts_the_tokens_a_soft_moe_slot_averages(digits):
+    """1 / sum w^2 lies in [1, T]; a zero scale makes every slot a uniform average (exactly T, max
+    weight 1/T), a huge scale makes each slot take one token (close to 1); the result matches a
+    computation from the dispatch tensor; sparse routers are refused."""
+    model = _model("soft_moe", 1.0)
+    images = digits[1].images[:20]
+    (mixing,) = evaluate.slot_mixing(model, images, batch_size=8)  # two batches and a padded one
+    t = model.cfg.num_patches
+    assert mixing["tokens"] == t and mixing["scale"] == 1.0 and 1 <= mixing["tokens_per_slot"] <= t
+    assert mixing["slots"] == model.cfg.routed_experts * dict(model.cfg.router_kwargs).get("slots_per_expert", 1)
+    with evaluate.eval_mode(model):  # the same 8-image program that slot_mixing compiled
+        w = np.concatenate([np.asarray(evaluate._forward(model, batch, return_routing=True).routings[0].dispatch,
+                                       np.float64) for batch in (images[:8], images[8:16])])
+    (first16,) = evaluate.slot_mixing(model, images[:16], batch_size=8)
+    np.testing.assert_allclose(first16["tokens_per_slot"], np.mean(1 / np.sum(w**2, axis=1)), rtol=1e-6)
+    affinity = [b.mlp for b in model.blocks if b.use_moe][0].router.affinity
+    affinity.scale[...] = 0.0
+    (uniform,) = evaluate.slot_mixing(model, images, batch_size=8)
+    np.testing.assert_allclose([uniform["tokens_per_slot"], uniform["max_weight"]], [t, 1 / t], rtol=1e-6)
+    affinity.scale[...] = 1e4
+    (sharp,) = evaluate.slot_mixing(model, images, batch_size=8)
+    assert sharp["tokens_per_slot"] < 1.1 and sharp["max_weight"] > 0.95
+    with pytest.raises(Exception, match="Soft MoE"):
+        evaluate.slot_mixing(_model("softmax_expert_choice", 1.0), images, batch_size=8)
