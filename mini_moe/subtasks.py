@@ -293,7 +293,8 @@ def run_experiment(out_path, *, routers=ROUTER_CHOICES, frequencies=FREQUENCIES,
     """Every router (and both dense references) on every frequency setting, capacity and seed.
 
     Resumable: ``out_path`` (JSON) is rewritten after every run, and runs already in it are not
-    repeated. Returns ``{"command", "machine", "runs": [run(...) results]}``; ``overrides`` go to
+    repeated. Returns ``{"command", "machine", "runs": [run(...) results]}`` (each run with the
+    ``machine`` it trained on; the file's own ``machine`` is its last writer's); ``overrides`` go to
     every :class:`SubtaskConfig` (``steps=...``, ``tasks=...``).
     """
     import json
@@ -315,7 +316,7 @@ def run_experiment(out_path, *, routers=ROUTER_CHOICES, frequencies=FREQUENCIES,
         if progress:
             print(f"[{i + 1}/{len(plan)}] {cfg.router} c={cfg.capacity:g} {cfg.frequencies} seed {cfg.seed}",
                   file=sys.stderr, flush=True)
-        results["runs"].append(run(cfg))
+        results["runs"].append(run(cfg) | {"machine": bench.machine()})  # each run's own machine
         results.update(command=command, machine=bench.machine(), planned_runs=len(plan))
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(results, indent=1))

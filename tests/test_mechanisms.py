@@ -449,3 +449,19 @@ def test_slot_mixing_counts_the_tokens_a_soft_moe_slot_averages(digits):
     assert sharp["tokens_per_slot"] < 1.1 and sharp["max_weight"] > 0.95
     with pytest.raises(Exception, match="Soft MoE"):
         evaluate.slot_mixing(_model("softmax_expert_choice", 1.0), images, batch_size=8)
+
+
+def test_subtask_experiment_records_every_run_with_its_machine_and_resumes(tmp_path, monkeypatch):
+    """run_experiment: one run per (router, seed) in the plan, each with its config, final metrics and
+    the machine it trained on, rewritten after every run; a second call trains nothing new."""
+    small = dict(tasks=4, dim=8, hidden=8, group_tokens=32, groups=2, steps=2, eval_every=2)
+    out = tmp_path / "runs.json"
+    first = subtasks.run_experiment(out, routers=("dense", "softmax_token_choice_frozen"), frequencies=("uniform",),
+                                    seeds=(0, 1), progress=False, **small)
+    assert sorted((r["config"]["router"], r["config"]["seed"]) for r in first["runs"]) == [
+        ("dense", 0), ("dense", 1), ("softmax_token_choice_frozen", 0), ("softmax_token_choice_frozen", 1)]
+    assert all(r["machine"]["jax"] and "fvu" in r["final"] for r in first["runs"])
+    monkeypatch.setattr(subtasks, "run", lambda cfg: pytest.fail(f"trained {cfg.router} again"))
+    again = subtasks.run_experiment(out, routers=("dense", "softmax_token_choice_frozen"), frequencies=("uniform",),
+                                    seeds=(0, 1), progress=False, **small)
+    assert again["runs"] == first["runs"]
