@@ -74,8 +74,8 @@ def chosen_learning_rates(runs: list[dict]) -> dict[str, float]:
 # ----------------------------------------------------------------------- the registered study
 #: Fixed by the registration (subtasks-controls-preregistration.md): the seeds, the learning rate
 #: of every arm (from :func:`chosen_learning_rates` on the pilot), the contrasts and the metric.
-SEEDS: tuple[int, ...] = ()
-LEARNING_RATE: dict[str, float] = {}
+SEEDS: tuple[int, ...] = tuple(range(100, 109))
+LEARNING_RATE: dict[str, float] = {'softmax_token_choice': 0.003, 'softmax_token_choice_frozen': 0.01, 'softmax_expert_choice': 0.003, 'softmax_expert_choice_frozen': 0.01, 'hash': 0.01, 'softmax_token_choice_plain': 0.01, 'dense_wide': 0.01}
 #: (name, first arm, second arm): a positive difference favours the first (lower test FVU).
 CONTRASTS = (
     ("learned_vs_frozen_tc", "softmax_token_choice", "softmax_token_choice_frozen"),
