@@ -384,10 +384,14 @@ def patch_vote(split: str = "train", *, vocab_size: int = PATCH_VOTE_VOCAB, num_
     configuration each patch is one token, so the table is a per-token map, exactly what an
     MLP (or MoE) layer computes. A dense MLP of fixed width can hold only so much of a table
     of V entries; E experts of the same width, each one seeing the tokens routed to it, hold
-    about E times more at the same activated FLOPs. Here capacity, not optimisation or data,
-    is the limit, so it is a positive control for routing: a sparse MoE should beat the
-    dense model of equal activated FLOPs, and the gap should grow with V. A router that
-    mixes tokens (Soft MoE's slots are weighted averages of tokens) blurs a per-token table.
+    about E times more at the same activated FLOPs. The task was built so that capacity would
+    be the limit, a positive control for sparse MoE: after chapter 8's 2,000 steps the sparse
+    routers beat the dense model of equal activated FLOPs, but a dense model trained twice as
+    long learns about as much of the table (the pilot), so at that budget the limit is capacity
+    and training speed together. Its patches carry no sub-task, so no routing is right: it tests
+    whether experts add capacity, not whether a router learns where to send a token
+    (:func:`subtask_vote` is built for that). A router that mixes tokens (Soft MoE's slots are
+    weighted averages of tokens) blurs a per-token table.
     Train and test images come from the same vocabulary (the table is learnable), the
     images themselves are different draws.
 
