@@ -282,7 +282,7 @@ def _converged(best: list[tuple[int, float]], patience: int, tolerance: float) -
 
 #: The models :func:`run_experiment` trains by default: the dense layers and every registered router.
 ROUTER_CHOICES = ("dense", "dense_wide") + tuple(sorted(routers_lib.ROUTERS))
-#: What it can train besides: the study's variants (``mini_moe.study.VARIANTS``), among them
+#: The study's variants (``mini_moe.study.VARIANTS``), which it can train besides, among them
 #: the routing controls (a router with its weights frozen at initialisation).
 VARIANT_CHOICES = tuple(sorted(study.VARIANTS))
 _ORDER = ROUTER_CHOICES + VARIANT_CHOICES
