@@ -103,13 +103,21 @@ def _transform(learning_rate: float, warmup_steps: int, steps: int, weight_decay
     return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
 
 
-def load_data(cfg: TrainConfig):
-    """Train and test splits, standardised with the training set's statistics."""
+def load_data(cfg: TrainConfig, *, validation: int = 0):
+    """Train and test splits, standardised with the training images' statistics.
+
+    With ``validation`` > 0, returns ``(train, validation, test)``: ``validation`` images held out
+    of the training split (:func:`mini_moe.data.validation_split`, the same images for every run),
+    and every split standardised with the statistics of the training images that remain, so that
+    no choice made on the validation split has seen the test set or itself.
+    """
     train = data_lib.load(cfg.dataset, "train", data_dir=cfg.data_dir)
     test = data_lib.load(cfg.dataset, "test", data_dir=cfg.data_dir)
-    train_images, mean, std = data_lib.normalize(train.images)
-    test_images, _, _ = data_lib.normalize(test.images, mean, std)
-    return dataclasses.replace(train, images=train_images), dataclasses.replace(test, images=test_images)
+    held = data_lib.validation_split(train, validation) if validation else (train,)
+    train_images, mean, std = data_lib.normalize(held[0].images)
+    scaled = [dataclasses.replace(held[0], images=train_images)]
+    scaled += [dataclasses.replace(d, images=data_lib.normalize(d.images, mean, std)[0]) for d in (*held[1:], test)]
+    return tuple(scaled)
 
 
 LOG_EVERY = 50  # steps between training-log rows (and the host's checks of the losses)

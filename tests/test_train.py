@@ -26,6 +26,25 @@ def digits():
     return train.load_data(cfg)
 
 
+def test_load_data_standardises_every_split_with_the_remaining_training_images(digits):
+    """``load_data(cfg, validation=N)``: N training images held out (the same as
+    ``data.validation_split``), and all three splits standardised with the statistics of the
+    training images that remain, computed here independently."""
+    from mini_moe import data
+
+    cfg = config_lib.get_config("quick", dataset="digits")
+    part, held, test = train.load_data(cfg, validation=300)
+    raw_part, raw_held = data.validation_split(data.load("digits", "train"), 300)
+    raw_test = data.load("digits", "test")
+    mean, std = raw_part.images.mean(axis=(0, 1, 2)), raw_part.images.std(axis=(0, 1, 2))
+    for got, raw in ((part, raw_part), (held, raw_held), (test, raw_test)):
+        np.testing.assert_allclose(got.images, (raw.images - mean) / std, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got.labels, raw.labels)
+    assert abs(float(part.images.mean())) < 1e-4 and abs(float(held.images.mean())) > 1e-4  # stats of part only
+    assert (len(part), len(held)) == (len(raw_part), 300) and held.split == "validation"
+    np.testing.assert_array_equal(train.load_data(cfg)[1].images, digits[1].images)  # default unchanged: 2 splits
+
+
 def _cfg(router="softmax_token_choice", **kw):
     return config_lib.get_config("quick", dataset="digits", router=router, **{**TINY, **kw})
 

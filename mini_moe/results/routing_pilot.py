@@ -159,10 +159,14 @@ def name(spec) -> str:
     return f"{spec['dataset']}{extra}-{study.cell_name(spec['router'], spec['capacity'], spec['seed'])}"
 
 
-def splits(dataset: str):
-    """``(train, validation, test)`` of ``dataset``: the training split less the validation images."""
-    train_part, validation = data.validation_split(data.load(dataset), VALIDATION)
-    return train_part, validation, data.load(dataset, "test")
+def splits(cfg):
+    """``(train, validation, test)`` of ``cfg.dataset``: the training split less the validation
+    images, every split standardised with the remaining training images' statistics, as training
+    always standardises (:func:`mini_moe.train.load_data`). Until 2026-11-26 (the commit that wrote
+    this sentence) it returned the raw images: every run whose record has no ``inputs`` field
+    trained and was measured on unstandardised images (the results README says what that
+    changed)."""
+    return train.load_data(cfg, validation=VALIDATION)
 
 
 def test_measures(out_dir, dataset: str, test) -> dict:
@@ -217,7 +221,8 @@ def main(groups) -> None:
                 cfg = study.cell_config(spec["router"], spec["capacity"], spec["seed"], dataset=spec["dataset"],
                                         scale="quick", **spec["overrides"])
                 entry["config"] = json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
-                train_part, validation, test = splits(spec["dataset"])
+                train_part, validation, test = splits(cfg)
+                entry["inputs"] = "standardised"
                 result = study.run_cell(cfg, RUNS / run_name, progress=False, label=spec["router"],
                                         capacity=spec["capacity"], datasets=(train_part, validation))
                 entry |= {"status": "ok", "validation_accuracy": result["test_accuracy"], "steps": result["steps"],
