@@ -108,6 +108,12 @@ for _seed in (0, 1):
         for r, extra in ((DENSE, {}), (EC, {}), (DENSE, {"model_mlp_dim": 256}), (EC_FROZEN, {}))
         for lr in (2e-3, 4e-3, 8e-3)]
 
+# The pixel task again, with standardised inputs (every run above trained on raw images, a bug of
+# this script until 2026-11-26): does the learned router find the sub-tasks now? d = 4, h = 4,
+# 4,000 steps, seed 0, on one CPU core, to compare with calibrate (2,000 steps) and gpu_h4 (12,000).
+GROUPS["pixel_standardised"] = [run(r, 0, dataset="subtask_vote_d4_h4", steps=4000, eval_every=500)
+                                for r in (EC, DENSE, EC_FROZEN)]
+
 #: Per-token probes (no ViT): one GELU MLP 49 -> width -> 10 trained with labels on the value of
 #: single patches, on one sub-task's patches or on all eight (``"tasks"``), 3,000 Adam steps
 #: (3e-3) of 512 patches, value accuracy on 20,000 fresh patches. The capacity argument of
