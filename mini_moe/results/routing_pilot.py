@@ -9,8 +9,10 @@ Usage (from the repository root, one training at a time, pinned to one core)::
 Each GROUP names a list of runs (:data:`GROUPS`). Every run is one
 :func:`mini_moe.study.run_cell` of :func:`mini_moe.study.cell_config` (the confirmatory
 runner's code path), trained under ``runs/routing-pilot/`` (git-ignored) on the training split
-less 10,000 validation images (:func:`mini_moe.data.validation_split`, fixed for every run):
-its evaluations during training are on the validation images. After training, the test
+less 10,000 validation images (:func:`mini_moe.train.load_data` with ``validation``: the held-out
+images are fixed for every run, and every split is standardised with the remaining training
+images' statistics; see :func:`splits` for the runs recorded before that): its evaluations
+during training are on the validation images. After training, the test
 accuracy and, on ``subtask_vote``, the routing accuracy against the right routing
 (:func:`mini_moe.evaluate.routing_accuracy`) are measured on the test split. After each run,
 finished or failed, its record goes into ``mini_moe/results/routing-pilot-<MACHINE>.json``
