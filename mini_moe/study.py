@@ -353,6 +353,36 @@ def _nct_cdf(x: float, df: int, shift: float) -> float:
     return min(1.0, max(0.0, value))
 
 
+def tost_power(pairs: int, sd: float, bound: float, *, difference: float = 0.0, alpha: float = 0.05) -> float:
+    """Power of the paired TOST equivalence test (:func:`mini_moe.confirm.tost`, each one-sided test
+    at ``alpha``): the probability that ``pairs`` paired seeds whose differences are normal with
+    mean ``difference`` and standard deviation ``sd`` show equivalence within +-``bound``. TOST
+    rejects when |mean| < bound - t_{1-alpha, n-1} s / sqrt(n); the mean and the sample SD s are
+    independent, so the power is the integral over s ~ sd sqrt(chi^2_{n-1} / (n - 1)) of the normal
+    probability of that interval (exact up to the quadrature's error, about 1e-8)."""
+    from scipy import integrate, stats
+
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 2:
+        raise InputError(f"pairs must be an integer >= 2, got {pairs!r}.")
+    if not sd > 0 or not bound > 0:
+        raise InputError(f"sd and bound must be > 0, got sd={sd!r}, bound={bound!r}.")
+    if not 0 < alpha < 0.5:
+        raise InputError(f"alpha must be in (0, 0.5), got {alpha!r}.")
+    df, scale = pairs - 1, sd / math.sqrt(pairs)
+    critical = float(stats.t.ppf(1 - alpha, df))
+    top = bound / (critical * scale)  # s / sd above this: the interval is empty
+    top_q = top * top * df  # the same as a value of chi^2_{df}
+
+    def given(q):  # q = (n - 1) s^2 / sd^2 ~ chi^2_{df}
+        half = bound - critical * scale * math.sqrt(q / df)
+        inside = stats.norm.cdf((half - difference) / scale) - stats.norm.cdf((-half - difference) / scale)
+        return inside * stats.chi2.pdf(q, df)
+
+    end = min(top_q, float(stats.chi2.isf(1e-15, df)))  # beyond it the chi^2 density is negligible
+    value, _ = integrate.quad(given, 0.0, end, points=[min(df, end / 2)], limit=200)
+    return min(1.0, max(0.0, float(value)))
+
+
 def seeds_for_power(sd: float, difference: float, *, alpha: float = 0.05, power: float = 0.8,
                     comparisons: int = 1, max_pairs: int = 1000) -> int:
     """The fewest paired seeds that detect ``difference`` with probability ``power`` when the

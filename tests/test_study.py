@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mini_moe import study
+from mini_moe import confirm, study
 
 
 def _cell(router, capacity, seed, acc):
@@ -157,6 +157,32 @@ def test_paired_power_equals_a_simulated_paired_t_test_on_the_audit_grid(pairs):
         assert study.paired_power(pairs, 1.0, effect, alpha=alpha) == pytest.approx(np.mean(p < alpha), abs=0.02)
 
 
+@pytest.mark.parametrize("pairs,sd,difference", [(4, 0.3, 0.0), (6, 0.25, 0.1), (10, 0.8, 0.0), (6, 0.05, 0.45)])
+def test_tost_power_equals_simulated_tost(pairs, sd, difference):
+    """The fraction of 40,000 simulated studies in which confirm.tost finds equivalence within
+    +-0.5 at alpha = 0.05 (the simulation's standard error is at most 0.0025): the computed power
+    is within 0.01 of it."""
+    rng = np.random.default_rng(pairs)
+    sims = rng.normal(difference, sd, size=(40_000, pairs))
+    mean, se = sims.mean(1), sims.std(1, ddof=1) / np.sqrt(pairs)
+    critical = stats.t.ppf(0.95, pairs - 1)
+    simulated = np.mean((mean - critical * se > -0.5) & (mean + critical * se < 0.5))
+    # the same rule as confirm.tost's p-value < alpha, checked on the first 200 studies
+    assert all((confirm.tost(row, 0.5) < 0.05) == ok for row, ok in zip(
+        sims[:200], ((mean - critical * se > -0.5) & (mean + critical * se < 0.5))[:200]))
+    assert study.tost_power(pairs, sd, 0.5, difference=difference) == pytest.approx(simulated, abs=0.01)
+
+
+def test_tost_power_limits_and_errors():
+    assert study.tost_power(30, 0.01, 0.5) == pytest.approx(1.0, abs=1e-6)  # tiny spread: always equivalent
+    assert study.tost_power(2, 5.0, 0.5) < 0.01  # one degree of freedom, large spread: almost never
+    assert study.tost_power(8, 0.5, 0.5) < study.tost_power(16, 0.5, 0.5)  # more pairs, more power
+    with pytest.raises(ValueError, match="pairs"):
+        study.tost_power(1, 0.5, 0.5)
+    with pytest.raises(ValueError, match="bound"):
+        study.tost_power(6, 0.5, 0.0)
+
+
 def _grid(accuracy, seeds=(0, 1, 2), capacities=(1.0,)):
     return [_cell(r, c, s, accuracy(r, c, s)) for s in seeds for c in capacities for r in study.ALLOCATION]
 
@@ -301,3 +327,64 @@ def test_the_v2_descriptive_numbers_are_means_over_the_arms_runs():
     np.testing.assert_allclose(r24.descriptive_v2([fine], "fine_shared")["dropped_picks"], 1 - 2.7 / 3)  # 3 routed picks
     with pytest.raises(ValueError, match="no run of arm"):
         r24.descriptive_v2([], "remoe")
+
+
+def test_capacity_amendment_rule_and_family_holm(monkeypatch):
+    """capacity_converged: the learning-rate rule (highest mean validation accuracy over the pilot's
+    seeds, ties to the smaller rate, an incomplete pilot refused) and the contrasts, against scipy's
+    paired t-test and Holm done by hand over the whole family of eight (the token-level study's five
+    p-values, these three)."""
+    from mini_moe.results import capacity_converged as cc
+
+    def pilot_run(arm, lr, seed, acc):
+        router, extra = cc.ARMS[arm]
+        return {"group": f"capacity_s{seed}", "inputs": "standardised", "status": "ok", "seed": seed,
+                "router": router or "dense", "overrides": {"learning_rate": lr, **extra}, "validation_accuracy": acc}
+
+    best = {"dense": 4e-3, "softmax_expert_choice": 2e-3, "dense_mlp256": 8e-3, "softmax_expert_choice_frozen": 2e-3}
+    runs = [pilot_run(arm, lr, seed, 0.9 + (0.05 if lr == best[arm] else 0.0) + 0.001 * seed)
+            for arm in cc.ARMS for lr in cc.LEARNING_RATES for seed in (0, 1)]
+    # a tie: the frozen arm at 4e-3 equals its best, 2e-3, in mean; the smaller rate wins
+    runs = [r | {"validation_accuracy": 0.95 + 0.001 * r["seed"]} if (r["router"], r["overrides"]["learning_rate"])
+            == ("softmax_expert_choice_frozen", 4e-3) else r for r in runs]
+    assert cc.chosen_learning_rates(runs) == best
+    runs_unstandardised = [r | {"inputs": None} if r["router"] == "dense" else r for r in runs]
+    with pytest.raises(ValueError, match="incomplete"):
+        cc.chosen_learning_rates(runs_unstandardised)
+
+    seeds = (200, 201, 202, 203, 204, 205)
+    monkeypatch.setattr(cc, "SEEDS", seeds)
+    rng = np.random.default_rng(5)
+    shift = {"dense": -0.015, "softmax_expert_choice": 0.0, "dense_mlp256": 0.001, "softmax_expert_choice_frozen": -0.0005}
+    cells = [{"arm": arm, "seed": s, "test_accuracy": 0.98 + shift[arm] + 0.002 * rng.standard_normal()}
+             for arm in cc.ARMS for s in seeds]
+    token_p = [1e-9, 1e-12, 2e-11, 0.02, 3e-7]
+    complete, rows = cc.comparisons(cells, token_p)
+    assert complete == list(seeds)
+    acc = {(c["arm"], c["seed"]): c["test_accuracy"] for c in cells}
+    p_values = list(token_p)
+    for row, (_, a, b) in zip(rows, cc.CONTRASTS):
+        reference = stats.ttest_rel([acc[a, s] for s in seeds], [acc[b, s] for s in seeds])
+        np.testing.assert_allclose(row["p"], reference.pvalue, rtol=1e-9)
+        p_values.append(reference.pvalue)
+    order = np.argsort(p_values)
+    running, expected = 0.0, [0.0] * 8
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (8 - rank) * p_values[i]))
+        expected[i] = running
+    np.testing.assert_allclose([row["p_holm"] for row in rows], expected[5:], rtol=1e-9)
+    assert rows[0]["verdict"] == "softmax_expert_choice higher test accuracy"  # 1.5 points, SD 0.3
+    assert rows[2]["verdict"] == "equivalent within +-0.5 points"  # the registered TOST (0.05 points apart, SD 0.3)
+    monkeypatch.setattr(cc, "TOST_CONTRASTS", ())
+    _, rows = cc.comparisons(cells, token_p)
+    assert rows[2]["verdict"] == "no detectable difference (no equivalence test made)"
+    # with TOST registered for the last two: their TOST p-values, Holm over those two
+    monkeypatch.setattr(cc, "TOST_CONTRASTS", ("capacity_ec_vs_dense_equal_params", "capacity_learned_vs_frozen_ec"))
+    _, rows = cc.comparisons(cells, token_p)
+    tost = [confirm.tost(row["differences"], cc.BOUND) for row in rows[1:]]
+    assert [row["tost_p"] for row in rows[1:]] == tost and "tost_p" not in rows[0]
+    np.testing.assert_allclose([row["tost_p_holm"] for row in rows[1:]], study.holm(tost), rtol=1e-12)
+    assert rows[2]["verdict"] == "equivalent within +-0.5 points"
+    # a seed missing an arm is left out of every contrast
+    _, partial = cc.comparisons([c for c in cells if (c["arm"], c["seed"]) != ("dense", 205)], token_p)
+    assert len(partial[0]["differences"]) == 5

@@ -236,7 +236,10 @@ def main(groups) -> None:
                 entry |= {"status": "ok", "validation_accuracy": result["test_accuracy"], "steps": result["steps"],
                           "train_seconds": result["train_seconds"], "step_flops": result["step_flops"],
                           "mechanisms": result["mechanisms"],
-                          "eval": [{**e, "validation_accuracy": e.pop("test_accuracy")} for e in result["eval"]]}
+                          # the evaluations during training are on the validation images (until
+                          # 2026-11-27 each entry also kept them under "test_accuracy")
+                          "eval": [{"step": e["step"], "seconds": e["seconds"], "validation_accuracy": e["test_accuracy"]}
+                                   for e in result["eval"]]}
                 entry |= test_measures(RUNS / run_name, spec["dataset"], test)
                 entry["wall_seconds"] = round(time.perf_counter() - tick, 1)
             except Exception as e:  # recorded, the pilot goes on
