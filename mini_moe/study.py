@@ -357,7 +357,7 @@ def tost_power(pairs: int, sd: float, bound: float, *, difference: float = 0.0, 
     """Power of the paired TOST equivalence test (:func:`mini_moe.confirm.tost`, each one-sided test
     at ``alpha``): the probability that ``pairs`` paired seeds whose differences are normal with
     mean ``difference`` and standard deviation ``sd`` show equivalence within +-``bound``. TOST
-    rejects when |mean| < bound - t_{1-alpha, n-1} s / sqrt(n); the mean and the sample SD s are
+    rejects when abs(mean) < bound - t_{1-alpha, n-1} s / sqrt(n); the mean and the sample SD s are
     independent, so the power is the integral over s ~ sd sqrt(chi^2_{n-1} / (n - 1)) of the normal
     probability of that interval (exact up to the quadrature's error, about 1e-8)."""
     from scipy import integrate, stats
