@@ -127,6 +127,22 @@ def require_pinned(commit: str) -> dict:
     return state
 
 
+def locked_update(path, update) -> dict:
+    """Read the JSON file ``path`` (``{"runs": []}`` when it does not exist), apply ``update`` (a
+    function that changes the dict in place) and write it back, all under an exclusive lock on a
+    ``.lock`` file beside it: the registered runners run one process per core on one results file,
+    and neither may lose the other's cells. Returns the updated dict."""
+    import fcntl
+
+    path = pathlib.Path(path)
+    with open(path.with_suffix(".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        record = json.loads(path.read_text()) if path.exists() else {"runs": []}
+        update(record)
+        path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 def run(name: str, out) -> dict:
     """Train (or resume, or just read) the cell ``name``; its ``result.json`` gets the git commit
     of the code that trained it (``source_commit``; ``source_dirty``: uncommitted changes)."""

@@ -157,3 +157,14 @@ def test_a_confirmatory_cell_needs_the_pinned_commit_and_a_clean_checkout(monkey
     answers.update({"rev-parse": None, "status": None})
     with pytest.raises(ValueError, match="commit is unknown"):
         confirm.require_pinned("a1b2c3d4e5f6")
+
+
+def test_locked_update_creates_keeps_and_returns_the_record(tmp_path):
+    """The registered runners' shared results file: a missing file starts as {"runs": []}, each
+    update sees the previous one's cells (two processes, one per core, append in turn), and the
+    file on disk is what the call returns."""
+    path = tmp_path / "cells.json"
+    confirm.locked_update(path, lambda rec: rec["runs"].append({"arm": "a", "seed": 1}))
+    record = confirm.locked_update(path, lambda rec: rec["runs"].append({"arm": "b", "seed": 1}))
+    assert record["runs"] == [{"arm": "a", "seed": 1}, {"arm": "b", "seed": 1}]
+    assert json.loads(path.read_text()) == record and path.with_suffix(".lock").exists()

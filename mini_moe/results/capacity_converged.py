@@ -22,7 +22,6 @@ a clean checkout of the pinned commit, and commits the results file after every 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import os
 import pathlib
@@ -190,17 +189,6 @@ def train_cell(arm: str, seed: int) -> dict:
                      for e in result["eval"]]}
 
 
-def _locked_update(path: pathlib.Path, update) -> dict:
-    """Read ``path`` (JSON), apply ``update`` and write it back under an exclusive lock (one process
-    per core share the file)."""
-    with open(path.with_suffix(".lock"), "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        record = json.loads(path.read_text()) if path.exists() else {"runs": []}
-        update(record)
-        path.write_text(json.dumps(record, indent=1) + "\n")
-    return record
-
-
 def confirm_cells(seeds) -> None:
     """Train the registered cells of ``seeds`` (every arm, seed by seed), skipping recorded ones."""
     if not SEEDS or set(LEARNING_RATE) != set(ARMS):
@@ -217,7 +205,7 @@ def confirm_cells(seeds) -> None:
             print(f"{arm} seed {seed} (learning rate {LEARNING_RATE[arm]:g})", file=sys.stderr, flush=True)
             result = train_cell(arm, seed) | {"source_commit": state["commit"], "source_dirty": state["dirty"],
                                               "machine": bench.machine()}
-            _locked_update(CONFIRMATORY, lambda rec: rec.update(
+            confirm.locked_update(CONFIRMATORY, lambda rec: rec.update(
                 runs=[r for r in rec["runs"] if (r["arm"], r["seed"]) != (arm, seed)] + [result],
                 machine=bench.machine(), preregistration="mini_moe/results/patch_vote-converged-preregistration.md"))
             print(f"  test accuracy {100 * result['test_accuracy']:.2f} % after {result['steps']} steps "
@@ -287,7 +275,7 @@ def analyze() -> dict:
                       token_level_p=token_p,
                       command="taskset -c N bash mini_moe/results/capacity_converged.sh SEED ...; "
                               ".venv/bin/python mini_moe/results/capacity_converged.py analyze")
-    return _locked_update(CONFIRMATORY, update)
+    return confirm.locked_update(CONFIRMATORY, update)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ contrasts on the complete seeds, written into the same file.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import pathlib
@@ -97,18 +96,6 @@ def _config(arm: str, seed: int) -> subtasks.SubtaskConfig:
     return subtasks.SubtaskConfig(router=arm, seed=seed, learning_rate=LEARNING_RATE[arm], **TRAINING)
 
 
-def _locked_update(path: pathlib.Path, update) -> dict:
-    """Read ``path`` (JSON), apply ``update`` and write it back under an exclusive lock, so that two
-    processes (one per core) keep each other's cells."""
-    lock = path.with_suffix(".lock")
-    with open(lock, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        record = json.loads(path.read_text()) if path.exists() else {"runs": []}
-        update(record)
-        path.write_text(json.dumps(record, indent=1) + "\n")
-    return record
-
-
 def confirm_cells(seeds) -> None:
     """Train the registered cells of ``seeds`` (every arm), skipping those already recorded."""
     if not SEEDS or set(LEARNING_RATE) != set(ARMS):
@@ -126,7 +113,7 @@ def confirm_cells(seeds) -> None:
             print(f"{arm} seed {seed} (learning rate {cfg.learning_rate:g})", file=sys.stderr, flush=True)
             result = subtasks.run(cfg) | {"source_commit": state["commit"], "source_dirty": state["dirty"],
                                           "machine": bench.machine()}
-            _locked_update(CONFIRMATORY, lambda rec: rec.update(
+            confirm.locked_update(CONFIRMATORY, lambda rec: rec.update(
                 runs=[r for r in rec["runs"] if r["config"] != result["config"]] + [result],
                 machine=bench.machine(), preregistration="mini_moe/results/subtasks-controls-preregistration.md"))
             if os.environ.get("COMMIT") == "1":
@@ -182,7 +169,7 @@ def analyze() -> dict:
                       metric=METRIC, complete_seeds=seeds, comparisons=rows, family=FAMILY, alpha=ALPHA,
                       command="taskset -c N bash mini_moe/results/subtasks_controls.sh SEED ...; "
                               ".venv/bin/python mini_moe/results/subtasks_controls.py analyze")
-    return _locked_update(CONFIRMATORY, update)
+    return confirm.locked_update(CONFIRMATORY, update)
 
 
 if __name__ == "__main__":
