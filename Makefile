@@ -105,7 +105,7 @@ test: check-notebooks book-static lint-workflows dist unit nbval-book labs brows
 
 # pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores).
 # UNIT_ENV: environment for the unit tests, e.g. UNIT_ENV="XLA_FLAGS=--xla_cpu_max_isa=AVX2" (.ci/run
-# adds --xla_backend_optimization_level=0).
+# adds --xla_backend_optimization_level=0 and --xla_cpu_use_fusion_emitters=false).
 UNIT_ENV ?=
 unit: venv data
 	$(UNIT_ENV) $(PY) -m pytest -n auto tests --durations=30
