@@ -384,8 +384,12 @@ def loss_free_bias_step(bias: Array, load: Array, rate: float) -> Array:
     """One update of auxiliary-loss-free balancing's expert bias (Wang et al. 2024, arXiv
     2408.15664, Algorithm 1; DeepSeek-V3 Sec. 2.1.2): ``b_e + rate * sign(mean load - load_e)``.
     An overloaded expert's bias falls, an underloaded one's rises, one at mean load stays.
-    ``bias [E]``, ``load [E]`` (picks per expert over the whole batch) -> ``[E]``."""
-    return bias + rate * jnp.sign(jnp.mean(load) - load)
+    ``bias [E]``, ``load [E]`` (picks per expert over the whole batch) -> ``[E]``.
+
+    The sign is taken of ``sum(load) - E * load_e``, the same sign without the division: for
+    counts both terms are exact, so an expert exactly at the mean stays put whatever code XLA
+    emits (``mean`` computed as ``sum * (1/E)`` is not exact, e.g. 6 * (1/3) != 2 in float32)."""
+    return bias + rate * jnp.sign(jnp.sum(load) - load.shape[-1] * load)
 
 
 def max_violation(load: Array) -> Array:
