@@ -20,7 +20,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
+.PHONY: venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
 
 venv: $(STAMP)
 
@@ -86,20 +86,24 @@ NBVAL_EXECUTED := _build/nbval
 # kernel); the timing asserts of chapters 5 and 11 compare two paths timed back to back in one
 # kernel, so a neighbour slows both. NBVAL_PARALLEL= runs them one by one.
 NBVAL_PARALLEL ?= -n 2 --dist loadfile
+# NBVAL_ENV: environment for the chapters' kernels (.ci/run: XLA_FLAGS=--xla_backend_optimization_level=1).
+NBVAL_ENV ?=
 BOOK_CACHE := _build/.jupyter_cache
 nbval-book: venv data
 	rm -rf _build
-	PYTHONPATH=.ci $(PY) -m pytest -p nbval_record --nbval-record $(NBVAL_EXECUTED) --nbval-lax --nbval-current-env $(NBVAL_PARALLEL) $(CHAPTERS_NB)
+	$(NBVAL_ENV) PYTHONPATH=.ci $(PY) -m pytest -p nbval_record --nbval-record $(NBVAL_EXECUTED) --nbval-lax --nbval-current-env $(NBVAL_PARALLEL) $(CHAPTERS_NB)
 	$(PY) .ci/nbval_record.py cache $(NBVAL_EXECUTED) $(BOOK_CACHE) --expect $(words $(CHAPTERS_NB))
 	$(BOOK_BUILD) --config $(BOOK_CACHE)/_config.yml
 	$(PY) .ci/nbval_record.py verify $(BOOK_CACHE)
 	@echo "HTML: _build/html/index.html"
 	$(COLAB_NOTEBOOKS)
 
-# The labs page (book/14_labs.ipynb) executed twice (.ci/labs.py): with its stubs every check says
-# "not implemented yet", with the library's own functions in their place every check passes.
+# The labs page (book/14_labs.ipynb) executed with its stubs (.ci/labs.py): every check says "not
+# implemented yet". That each check passes with the library's own function in the stub's place is
+# tests/test_labs.py's (the same labs.check call in both unit runs; .ci/labs.py without --stubs-only
+# also executes the page so, as .ci/colab_stack.py does).
 labs: venv
-	$(PY) .ci/labs.py
+	$(PY) .ci/labs.py --stubs-only
 
 test: check-notebooks book-static lint-workflows dist unit nbval-book labs browser-check book-selfcheck
 
@@ -110,24 +114,35 @@ UNIT_ENV ?=
 unit: venv data
 	$(UNIT_ENV) $(PY) -m pytest -n auto tests --durations=30
 
-# The declared floors, tested: a fresh second venv in which ONE pip call installs the package with
-# its test and tfds extras under constraints that pin every runtime dependency and the tfds extra
-# at exactly its floor (.ci/floors.py turns pyproject.toml's `>=` into `==`, jaxlib = jax, and
-# refuses an import of mini_moe that pyproject does not declare); the test tools resolve around
-# the floors in that same call. Then the unit tests on all cores (pytest-xdist: 1.6x faster on 2
-# cores); .ci/run runs them under a second instruction set (XLA_FLAGS=--xla_cpu_max_isa=AVX2).
+# The declared floors, tested: a fresh second venv in which ONE pip call installs everything the
+# package needs with its test and tfds extras (.ci/floors.py --requirements) under constraints that
+# pin every runtime dependency and the tfds extra at exactly its floor (.ci/floors.py turns
+# pyproject.toml's `>=` into `==`, jaxlib = jax, and refuses an import of mini_moe that pyproject
+# does not declare); the test tools resolve around the floors in that same call. mini_moe itself
+# follows without dependencies (pip install --no-deps -e .), so that the first step writes nothing
+# in the source tree: .ci/run starts `make floors-deps` in the background while `make test` runs
+# (its `make dist` builds in the tree). Then the unit tests on all cores (pytest-xdist: 1.6x faster
+# on 2 cores); .ci/run runs them at XLA's optimisation level 0 with its older emitters.
 # The venv is made again from scratch whenever pyproject.toml or .ci/floors.py changes.
 FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
+FLOORS_DEPS := $(FLOORS_VENV)/.dependencies-installed
 FLOORS_STAMP := $(FLOORS_VENV)/.mini_moe-installed
 FLOORS_PYTEST_ARGS ?= -n auto
 
-$(FLOORS_STAMP): pyproject.toml .ci/floors.py
+$(FLOORS_DEPS): pyproject.toml .ci/floors.py
 	rm -rf $(FLOORS_VENV)
 	$(PYTHON) -m venv $(FLOORS_VENV)
 	$(PYTHON) .ci/floors.py > $(FLOORS_VENV)/constraints.txt
+	$(PYTHON) .ci/floors.py --requirements > $(FLOORS_VENV)/requirements.txt
 	$(FLOORS_PY) -m pip install --upgrade pip
-	$(FLOORS_PY) -m pip install -c $(FLOORS_VENV)/constraints.txt -e '.[test,tfds]'
+	$(FLOORS_PY) -m pip install -c $(FLOORS_VENV)/constraints.txt -r $(FLOORS_VENV)/requirements.txt
+	touch $(FLOORS_DEPS)
+
+floors-deps: $(FLOORS_DEPS)
+
+$(FLOORS_STAMP): $(FLOORS_DEPS)
+	$(FLOORS_PY) -m pip install --no-deps -e .
 	touch $(FLOORS_STAMP)
 
 floors: $(FLOORS_STAMP) data

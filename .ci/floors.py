@@ -1,7 +1,9 @@
 """Print pip constraints that pin every runtime dependency of mini_moe to its declared floor.
 
     python3 .ci/floors.py > constraints.txt
-    pip install -c constraints.txt -e '.[test,tfds]'   # one resolver call: the floors + test tools
+    python3 .ci/floors.py --requirements > requirements.txt   # what '.[test,tfds]' needs
+    pip install -c constraints.txt -r requirements.txt  # one resolver call: the floors + test tools
+    pip install --no-deps -e .                          # then mini_moe itself
     python .ci/floors.py --check    # in that venv: exit 1 unless exactly these are installed,
                                     # or mini_moe imports a package that pyproject does not declare
 
@@ -63,6 +65,17 @@ def floors(pyproject: pathlib.Path = ROOT / "pyproject.toml") -> dict[str, str]:
     return pins
 
 
+def requirements(pyproject: pathlib.Path = ROOT / "pyproject.toml", extras=("test",) + PINNED_EXTRAS) -> list[str]:
+    """What ``pip install -e '.[test,tfds]'`` would install besides mini_moe itself: ``[project]
+    dependencies`` and those ``extras``, as written in pyproject.toml (``make floors-deps`` installs
+    them in one call under the floors' constraints, before mini_moe goes in with ``--no-deps``)."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    deps = list(project["dependencies"])
+    for extra in extras:
+        deps += project["optional-dependencies"][extra]
+    return list(dict.fromkeys(deps))
+
+
 def imported_packages(package: pathlib.Path = ROOT / "mini_moe") -> dict[str, str]:
     """{top-level module: first file importing it} for every non-stdlib import in the package,
     the imports inside functions included."""
@@ -108,5 +121,7 @@ if __name__ == "__main__":
                  + ", ".join(missing))
     if sys.argv[1:] == ["--check"]:
         check(pins)
+    elif sys.argv[1:] == ["--requirements"]:
+        print("\n".join(requirements()))
     else:
         print("\n".join(f"{name}=={version}" for name, version in pins.items()))

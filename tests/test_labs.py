@@ -237,8 +237,8 @@ def test_the_grader_command(tmp_path):
 
 
 def test_the_labs_page_holds_every_stub_as_the_registry_writes_it():
-    """book/14_labs.ipynb (CI executes it with the stubs and with the solutions, .ci/labs.py): one
-    stub per lab, exactly ``Lab.stub()``, each followed by its check; a stale stub is refused."""
+    """book/14_labs.ipynb (CI executes it with the stubs, .ci/labs.py; the Colab stack also with the
+    solutions): one stub per lab, exactly ``Lab.stub()``, each followed by its check; a stale stub is refused."""
     import copy
 
     import nbformat
