@@ -109,8 +109,8 @@ test: check-notebooks book-static lint-workflows dist unit nbval-book labs brows
 
 # pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores), one whole file per worker
 # (--dist loadfile; `make unit` under .ci/run's flags on the 2-core AMD EPYC: 685 s, against 772-780 s
-# with xdist's default spread, under which tests of one file that compile the same tiny models can
-# land on both workers and compile them twice).
+# with xdist's default spread; we think because tests of one file that compile the same tiny models
+# then land on both workers and compile them twice, which was not measured).
 # UNIT_ENV: environment for the unit tests, e.g. UNIT_ENV="XLA_FLAGS=--xla_cpu_max_isa=AVX2" (.ci/run
 # adds --xla_backend_optimization_level=0 and --xla_cpu_use_fusion_emitters=false).
 UNIT_ENV ?=
