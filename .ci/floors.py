@@ -46,12 +46,8 @@ def _normalize(name: str) -> str:
 
 def floors(pyproject: pathlib.Path = ROOT / "pyproject.toml") -> dict[str, str]:
     """{distribution: floor} for `[project] dependencies` and the PINNED_EXTRAS, plus jaxlib."""
-    project = tomllib.loads(pyproject.read_text())["project"]
-    deps = list(project["dependencies"])
-    for extra in PINNED_EXTRAS:
-        deps += project["optional-dependencies"][extra]
     pins, unpinned = {}, []
-    for dep in deps:
+    for dep in requirements(pyproject, PINNED_EXTRAS):
         m = _FLOOR.fullmatch(dep)
         if m:
             pins[_normalize(m[1])] = m[2]
