@@ -6,6 +6,7 @@
 #               labs page with its stubs and with the solutions, the offline browser check of
 #               that build, and CI's self-check on throw-away books
 #   make sync   after editing book/NN_topic.md: update its .ipynb twin (outputs stripped)
+#   make pin    after committing a change to the package: pin every chapter's install cell to HEAD
 #   make floors the unit tests with every dependency at the lowest version pyproject.toml allows
 #
 # Everything runs inside a virtual environment in .venv, created on first use from
@@ -20,7 +21,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
+.PHONY: pin check-pin venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
 
 venv: $(STAMP)
 
@@ -105,7 +106,7 @@ nbval-book: venv data
 labs: venv
 	$(PY) .ci/labs.py --stubs-only
 
-test: check-notebooks book-static lint-workflows dist unit nbval-book labs browser-check book-selfcheck
+test: check-notebooks check-pin book-static lint-workflows dist unit nbval-book labs browser-check book-selfcheck
 
 # pytest-xdist runs the unit tests on every core (1.6x faster on 2 cores), one whole file per worker
 # (--dist loadfile; `make unit` under .ci/run's flags on the 2-core AMD EPYC: 685 s, against 772-780 s
@@ -159,6 +160,18 @@ nbval: venv data
 
 check-notebooks: venv
 	$(PY) .ci/notebooks.py check
+
+# What a Colab reader installs is what CI tests (.ci/pin.py): every chapter's install cell names a
+# commit (_config.yml's mini_moe_ref) that holds every mini_moe name, keyword and committed file the
+# chapter uses, and whose package (mini_moe/, pyproject.toml) equals this checkout's byte for byte.
+# It needs the git history (a shallow clone fails with a message). After committing a change to the
+# package: `make pin`, then commit _config.yml and the chapters.
+check-pin: venv
+	$(PY) .ci/pin.py check
+
+pin: venv
+	$(PY) .ci/pin.py pin
+	$(MAKE) sync
 
 # actionlint checks .github/workflows (and runs shellcheck on `run:` scripts if it is on PATH).
 lint-workflows: venv

@@ -4,16 +4,18 @@
    (googlecolab/backend-info, pip-freeze.gpu.txt, 2026-11; Python 3.12 there, this machine's
    Python here): JAX 0.7.2 with its CUDA plugin, Flax 0.11.2, Optax, Orbax and the rest that the
    chapters import.
-2. The chapters' install cell (``.ci/notebooks.py``'s ``install_cell()``, with mini_moe taken
-   from this checkout instead of the release tag) on a GPU and on a TPU: with an ``nvidia-smi``
+2. The chapters' install cell (``.ci/notebooks.py``'s ``install_cell()``, with pip cloning this
+   repository instead of GitHub, at the commit the cell names) on a GPU and on a TPU: with an ``nvidia-smi``
    on PATH, or ``TPU_ACCELERATOR_TYPE`` set, the cell's upgrade runs as ``pip install --dry-run
    --report``, and the report must hold JAX's accelerator build at one version (jaxlib, the
    CUDA plugin and its PJRT, or libtpu), at or above the floor: the pip command that a Colab
    reader's GPU or TPU runtime gets upgrades JAX without losing the accelerator.
 3. The install cell for real, on this CPU, as a notebook under nbval in the new environment:
-   it upgrades what is below the floors (JAX and Flax), installs mini_moe, and leaves the rest of
-   Colab's packages as they were.
-4. Chapters 1, 2 and 7 and the labs page under nbval in that environment, then the labs page
+   it upgrades what is below the floors (JAX and Flax), installs mini_moe from a wheel that pip
+   builds from the pinned commit (never this checkout: the venv must not import it), and leaves the
+   rest of Colab's packages as they were.
+4. Chapters 1, 2, 7, 11, 14 and 16 under nbval in that environment, run from a temporary folder so
+   that the checkout's ``mini_moe/`` cannot shadow the installed one, then the labs page
    with the library's solutions in place of its stubs (.ci/labs.py): one lab opens and checks in
    a fresh Colab-like runtime.
 
@@ -42,13 +44,16 @@ PY = VENV / "bin" / "python"
 COLAB_PINS = {"jax": "0.7.2", "jaxlib": "0.7.2", "jax-cuda12-plugin": "0.7.2", "jax-cuda12-pjrt": "0.7.2",
               "flax": "0.11.2", "optax": "0.2.8", "orbax-checkpoint": "0.12.0", "numpy": "2.0.2",
               "scipy": "1.16.3", "matplotlib": "3.10.0", "scikit-learn": "1.6.1", "tensorflow-datasets": "4.9.10"}
-CHAPTERS = ["01_unified_formulation", "02_softmax_token_choice", "07_router_consistency", "14_labs"]
+#: Chapters 1, 2 and 7, and the pages that use the newest API (11: the dropless kernels; 14: the labs;
+#: 16: the explorer), executed with the mini_moe that the install cell installs.
+CHAPTERS = ["01_unified_formulation", "02_softmax_token_choice", "07_router_consistency", "11_making_it_fast",
+            "14_labs", "16_explorer"]
 
 
-def sh(*command, env=None, capture=False) -> str | None:
+def sh(*command, env=None, capture=False, cwd=None) -> str | None:
     print("+", " ".join(map(str, command)), flush=True)
     return subprocess.run(list(map(str, command)), check=True, text=True, stdout=subprocess.PIPE if capture else None,
-                          env={**os.environ, **(env or {})}).stdout
+                          env={**os.environ, **(env or {})}, cwd=cwd).stdout
 
 
 def release(text: str) -> tuple[int, ...]:
@@ -61,11 +66,14 @@ def installed() -> dict[str, str]:
 
 
 def cell_source() -> str:
-    """Chapter 7's install cell (mini_moe with its tfds extra), installing from this checkout."""
-    text = (ROOT / "book" / "07_router_consistency.md").read_text()
+    """Chapter 16's install cell (mini_moe with its tfds extra), as a reader's runtime runs it, with
+    one change: pip clones this repository (``git+file://``) instead of GitHub, at the commit the
+    cell names. So pip builds mini_moe's wheel from that commit, as on Colab, not from the checkout."""
+    text = (ROOT / "book" / "16_explorer.md").read_text()
     source = install_cell(text).split("\n", 2)[2]  # without the ":tags:" line
-    source, n = re.subn(r'^MINI_MOE = "(mini_moe\S*) @ .*"$', rf'MINI_MOE = "\1 @ file://{ROOT}"', source, flags=re.M)
-    assert n == 1, "the install cell names mini_moe in one MINI_MOE line"
+    source, n = re.subn(r'^MINI_MOE = "(mini_moe\S*) @ git\+\S+@(\S+)"$', rf'MINI_MOE = "\1 @ git+file://{ROOT}@\2"',
+                        source, flags=re.M)
+    assert n == 1, "the install cell names mini_moe @ git+URL@REF in one MINI_MOE line"
     return source
 
 
@@ -133,8 +141,16 @@ def main() -> None:
                          f"(only {sorted(upgraded)} and jaxlib should), mini_moe installed: {'mini-moe' in after}")
     print("colab-stack: the install cell upgraded", ", ".join(f"{n} {before[n]} -> {after[n]}" for n in changed),
           "and left the rest of Colab's packages as they were", flush=True)
-    sh(PY, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-q",
-       *[ROOT / "book" / f"{name}.ipynb" for name in CHAPTERS])
+    with tempfile.TemporaryDirectory() as tmp:
+        where = sh(PY, "-c", "import mini_moe; print(mini_moe.__file__)", capture=True, cwd=tmp).strip()
+        if Path(where).resolve().is_relative_to(ROOT.resolve()):
+            raise SystemExit(f"colab-stack: the Colab venv imports mini_moe from the checkout ({where}), "
+                             "not from what the install cell installed")
+        print(f"colab-stack: mini_moe imported from {where}", flush=True)
+        for name in CHAPTERS:
+            shutil.copy(ROOT / "book" / f"{name}.ipynb", tmp)
+        sh(PY, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider", "-q",
+           *[f"{name}.ipynb" for name in CHAPTERS], cwd=tmp)
     sh(PY, ROOT / ".ci" / "labs.py")
 
 

@@ -68,7 +68,8 @@ def floors() -> dict[str, str]:
 # A chapter that loads one of these datasets live installs mini_moe with its tfds extra: where the
 # files are not on disk (Colab has no Debian package), tensorflow-datasets provides them, and
 # tfds 4.9 imports importlib_resources when it prepares a dataset without declaring it.
-TFDS_LOAD = re.compile(r"""data\.load\(\s*["'](fashion_mnist|cifar10|cifar100)["']""")
+# The explorer's test images come from its models' datasets, Fashion-MNIST among them.
+TFDS_LOAD = re.compile(r"""data\.load\(\s*["'](fashion_mnist|cifar10|cifar100)["']|explorer\.(test_images|book_data)\(""")
 
 
 def install_cell(md_text: str = "") -> str:
@@ -81,12 +82,13 @@ def install_cell(md_text: str = "") -> str:
     return f""":tags: [hide-input]
 
 {CELL_MARKER} from _config.yml (repository, ref) and pyproject.toml.
-# On Colab or another fresh runtime it installs what is missing. Where the runtime's JAX, Flax,
+# On Colab or another fresh runtime it installs what is missing: mini_moe at the commit this book was
+# built from (`make test` checks that it holds every name and file the page uses). Where the runtime's JAX, Flax,
 # Optax or Orbax is older than mini_moe needs (Colab's JAX and Flax are), it upgrades those, JAX as
 # the build for the accelerator attached (jax[cuda12] on a GPU, jax[tpu] on a TPU) so that its CUDA
 # plugin or libtpu matches; if the old version was already imported, it restarts the runtime once
 # (run the cell again). It ends by printing JAX's backend and devices, with a warning when an
-# accelerator is attached but JAX sees only the CPU.
+# accelerator is attached but JAX sees only the CPU (unless the page chose the CPU: JAX_PLATFORMS=cpu).
 import glob
 import os
 import re
@@ -135,7 +137,9 @@ except ImportError:
 import jax
 
 print(f"mini_moe {{mini_moe.__version__}}, JAX {{jax.__version__}} on {{jax.default_backend()}}: {{jax.devices()}}")
-if attached and jax.default_backend() == "cpu":
+if attached and jax.default_backend() == "cpu" and os.environ.get("JAX_PLATFORMS", "").lower() == "cpu":
+    print(f"This runtime has a {{attached}}; this page runs on the CPU on purpose (JAX_PLATFORMS=cpu, set above).")
+elif attached and jax.default_backend() == "cpu":
     display(Markdown(f"**This runtime has a {{attached}}, but JAX sees only the CPU: everything below will run "
                      f"on the CPU.** Install the JAX build for it (`%pip install -U '{{JAX_BUILD}}'`), restart the "
                      "runtime, and run this cell again."))"""

@@ -105,8 +105,11 @@ def test_the_colab_emulation_refuses_an_upgrade_that_leaves_the_accelerator_buil
         stack.check_accelerator_upgrade("TPU", {"jax": "0.10.2", "jaxlib": "0.10.2"})
 
 
-def test_the_colab_emulation_runs_chapter_7s_install_cell_from_this_checkout():
+def test_the_colab_emulation_installs_the_commit_the_install_cell_names():
     stack = ci_scripts.load("colab_stack")
     source = stack.cell_source()
-    assert f'MINI_MOE = "mini_moe[tfds] @ file://{stack.ROOT}"' in source  # chapter 7 reads Fashion-MNIST
+    ref = ci_scripts.load("pin").install_ref((stack.ROOT / "book" / "16_explorer.md").read_text())
+    # pip clones this repository at the pinned commit and builds the wheel from it, as on Colab;
+    # chapter 16 reads Fashion-MNIST test images, hence the tfds extra
+    assert f'MINI_MOE = "mini_moe[tfds] @ git+file://{stack.ROOT}@{ref}"' in source
     assert "%pip install -q -U {upgrade}" in source and '%pip install -q "{MINI_MOE}"' in source
