@@ -68,7 +68,7 @@ def lab_cells(nb) -> list[tuple[int, int, str]]:
 
 def execute(nb, label: str):
     tick = time.perf_counter()
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(ROOT / "book")}}).execute()
     print(f"labs: executed the page {label} in {time.perf_counter() - tick:.0f} s", flush=True)
     return nb
 

@@ -87,7 +87,7 @@
 
     // The options that depend on the model: capacities, layers, images, slots.
     function refill() {
-      var m = model(), keep = capSel.value;
+      var m = model();
       capSel.innerHTML = "";
       if (m.capacities[0] === null) {
         option(capSel, "none", m.slots_per_expert ? "none (Soft MoE has slots)" : "none (dropless)");
@@ -95,8 +95,7 @@
       } else {
         m.capacities.forEach(function (c) { option(capSel, String(c), "c = " + c); });
         capSel.disabled = false;
-        var wanted = m.capacities.map(String).indexOf(keep) >= 0 ? keep : String(m.capacities[Math.floor(m.capacities.length / 2)]);
-        capSel.value = wanted;
+        capSel.value = String(m.trained_capacity);  // a model opens at the factor it was trained with
       }
       var layer = Math.min(Number(layerSel.value || 0), m.layers - 1);
       layerSel.innerHTML = "";

@@ -103,6 +103,18 @@ def has_capacity(model) -> bool:
     return not router.per_image and model.cfg.moe_path != "dropless" and hasattr(router.allocation, "capacity_factor")
 
 
+def trained_capacity(model) -> float | None:
+    """The capacity factor the model was trained with (None without one: Soft MoE, dropless)."""
+    return float(_moe_layers(model)[0].mlp.router.capacity_factor) if has_capacity(model) else None
+
+
+def offered_capacities(model, capacities) -> list[float] | list[None]:
+    """The factors the explorer offers for ``model``: ``capacities`` and the trained one, sorted
+    (``[None]`` without a capacity); it opens at the trained one."""
+    trained = trained_capacity(model)
+    return [None] if trained is None else sorted({float(c) for c in capacities} | {trained})
+
+
 def _route(model, batch, capacity_factor):
     """One eval-mode forward of ``batch`` (whole routing groups) at ``capacity_factor`` (ignored
     without :func:`has_capacity`): per MoE layer ``(dispatch, combine)`` as NumPy ``[G, T, E, C]``,
@@ -244,8 +256,9 @@ class Explorer:
             raise InputError(f"images must hold at least one routing group ({group} images), got {len(self.images)}.")
         self.image = widgets.IntSlider(0, 0, usable - 1, description="image")
         self.layer = widgets.IntSlider(0, 0, len(moe) - 1, description="MoE layer")
-        self.capacity = widgets.SelectionSlider(options=[float(c) for c in capacities],
-                                                value=float(capacities[len(capacities) // 2]),
+        factors = offered_capacities(model, capacities)
+        self.capacity = widgets.SelectionSlider(options=factors if factors != [None] else [float(capacities[0])],
+                                                value=trained_capacity(model) or float(capacities[0]),
                                                 description="capacity", disabled=not has_capacity(model))
         self.slot = widgets.IntSlider(-1, -1, 0, description="slot (-1: off)", disabled=not self.soft)
         self.output = widgets.Output()
@@ -391,13 +404,15 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
         like their training data, ``train.load_data``), whole routing groups; every model routes
         its dataset's images, one forward per capacity factor. They are drawn rescaled to [0, 1]
         per image.
-      capacities: the factors offered; a model without a capacity (:func:`has_capacity`) has one
+      capacities: the factors offered, with each model's trained one added; a model without a
+        capacity (:func:`has_capacity`) has one
         view per layer and image, under the key ``"none"``.
       image_sources: dataset name -> where its images come from (any JSON), kept like ``source``.
 
     Returns ``{"datasets": {name: {"images", "size", "source"}}, "models": {name: {"label", "dataset",
-    "accuracy", "num_experts", "side", "slots_per_expert", "layers", "capacities", "capacity", "views",
-    "source"}}}`` where
+    "accuracy", "num_experts", "side", "slots_per_expert", "layers", "capacities", "trained_capacity",
+    "capacity", "views", "source"}}}`` where ``capacities`` are :func:`offered_capacities` (the explorer
+    opens at ``trained_capacity``) and
     ``views[factor][layer][image]`` holds ``expert``, ``weight``, ``experts`` (per patch, row-major),
     ``load``, ``capacity``, ``dropped`` and ``experts_per_token``, and for Soft MoE ``slots`` (the
     image's dispatch weights, ``[P, E, S]`` flattened).
@@ -425,7 +440,7 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
                              f"{name!r}, got {len(batch)}.")
         layers = _moe_layers(model)
         soft = layers[0].mlp.router.per_image
-        factors = [float(c) for c in capacities] if has_capacity(model) else [None]
+        factors = offered_capacities(model, capacities)
         views, capacity_of = {}, {}
         for factor in factors:
             key = "none" if factor is None else f"{factor:g}"
@@ -447,7 +462,7 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
             "label": entry.get("label", name), "dataset": dataset, "accuracy": entry.get("accuracy"),
             "num_experts": len(first["load"]), "side": int(round(np.sqrt(model.cfg.num_patches))),
             "slots_per_expert": capacity_of[next(iter(views))] if soft else None,
-            "layers": len(layers), "capacities": [None if f is None else f for f in factors],
+            "layers": len(layers), "capacities": factors, "trained_capacity": trained_capacity(model),
             "capacity": capacity_of if factors[0] is not None else None, "views": views,
             "source": entry.get("source"),
         }

@@ -4,7 +4,7 @@ Each :class:`Lab` asks for one function from a chapter's equations. Its referenc
 the library's own function (never a second copy), and :func:`check` compares a student's
 function with it on generated inputs (a fixed seed, so every student sees the same cases) and on
 named edge cases (ties, fewer tokens than experts, capacity 1, every token wanting one expert,
-extreme logits). On a failure it reports the smallest failing case, the expected and the actual
+extreme logits). On a failure it reports the first failing case (named edge cases first, then random sizes), the expected and the actual
 output, the property that broke and a hint that points to the chapter, never the solution::
 
     from mini_moe import labs
@@ -240,7 +240,8 @@ def _k_per_token(kwargs, dispatch) -> bool:
 register(Lab(
     name="ch01.capacity",
     signature="(num_tokens, num_experts, factor)",
-    doc="The buffer capacity C = round(factor * T / E) of eq. (4): halves round up, never below 1. Returns an int.",
+    doc="The buffer capacity C = round(factor * T / E) (chapter 1, Algorithm 1): halves round up, never below 1. "
+        "Returns an int.",
     reference=lambda num_tokens, num_experts, factor: routing.capacity(num_tokens, num_experts, factor),
     cases=lambda rng: [(f"T={t}, E={e}, factor={f}", dict(num_tokens=t, num_experts=e, factor=f)) for t, e, f in
                        [(10, 4, 1.0), (9, 2, 1.0), (6, 4, 1.0), (2, 8, 1.0), (14, 4, 1.0), (100, 8, 1.25), (7, 2, 2.0),
@@ -258,7 +259,7 @@ register(Lab(
     cases=lambda rng: _score_cases(rng, k_values=(1, 2)),
     properties=(("an expert holds more than C tokens", _holds_per_expert),
                 ("a token reaches more than k experts", _k_per_token)),
-    hint="chapter 2, 'Capacity and Algorithm 1': the order of the rounds, and a token's slot is the number of "
+    hint="chapter 2, 'Algorithm 1, one token at a time': the order of the rounds, and a token's slot is the number of "
          "tokens placed at that expert before it.",
 ))
 
@@ -283,7 +284,7 @@ register(Lab(
     cases=lambda rng: [c for c in _score_cases(rng) if c[1]["capacity"] <= c[1]["scores"].shape[0]],
     properties=(("an expert holds more or fewer than C tokens",
                  lambda kw, d: bool(np.all(np.asarray(d).sum((0, 2)) == kw["capacity"]))),),
-    hint="chapter 4, 'Experts pick their tokens': along which axis does an expert rank, and in which order do "
+    hint="chapter 4, 'Algorithm 2': along which axis does an expert rank, and in which order do "
          "its slots fill?",
 ))
 
@@ -295,7 +296,8 @@ register(Lab(
     reference=lambda probs, k: losses.switch_loss(jnp.asarray(probs), k=k),
     cases=lambda rng: [(label, {"probs": kw["scores"], "k": kw.get("k", 1)})
                        for label, kw in _score_cases(rng, with_capacity=False, k_values=(1, 2))],
-    hint="chapter 2, 'Balancing losses': what f_i counts (picks, not probabilities) and what it is divided by.",
+    hint="chapter 2, 'Keeping experts busy: balancing losses': what f_i counts (picks, not probabilities) and "
+         "what it is divided by.",
 ))
 
 register(Lab(
@@ -309,7 +311,8 @@ register(Lab(
     + [(f"random {i}", {"logits": (rng.normal(size=(int(rng.integers(1, 9)), int(rng.integers(2, 9)))) * 3)
                         .astype(np.float32)}) for i in range(8)],
     tolerance=(1e-4, 1e-4),
-    hint="chapter 2, 'The z-loss': a log of a sum of exponentials overflows unless you subtract the maximum first.",
+    hint="chapter 2, 'Keeping experts busy: balancing losses' (the z-loss): a log of a sum of exponentials "
+         "overflows unless you subtract the maximum first.",
 ))
 
 register(Lab(
@@ -328,7 +331,7 @@ register(Lab(
                  lambda kw, p: np.allclose(np.asarray(p).sum(0), kw["logits"].shape[0] / kw["logits"].shape[1],
                                            rtol=1e-3)),),
     tolerance=(1e-4, 1e-5),
-    hint="chapter 3, 'Sinkhorn's iterations': rows first, then columns, and work with logsumexp, not exp.",
+    hint="chapter 3, 'Why the log domain': rows first, then columns, and work with logsumexp, not exp.",
 ))
 
 register(Lab(
@@ -344,7 +347,7 @@ register(Lab(
                  lambda kw, out: np.allclose(np.asarray(out[0]).sum(0), 1, atol=1e-5)),
                 ("a token's combine weights do not sum to 1 over all slots",
                  lambda kw, out: np.allclose(np.asarray(out[1]).sum((1, 2)), 1, atol=1e-5))),
-    hint="chapter 6, 'Slots': which axis is each softmax over?",
+    hint="chapter 6, 'Slots in the unified formulation': which axis is each softmax over?",
 ))
 
 
@@ -422,7 +425,8 @@ register(Lab(
     properties=(("a token does not keep exactly top_groups groups",
                  lambda kw, out: bool(np.all(np.asarray(out).sum(-1) == kw["top_groups"] * kw["scores"].shape[-1]
                                              // kw["num_groups"]))),),
-    hint="DeepSeek-V3 Sec. 2.1.2 (chapter 12's paper): a group's score is a sum of its two best, not its best "
+    hint="chapter 10, 'Limiting the devices a token reaches' (DeepSeek-V3, Sec. 2.1.2): a group's score is a sum "
+         "of its two best, not its best "
          "alone, and the kept groups are those of the highest group scores.",
 ))
 

@@ -117,6 +117,7 @@ def test_the_export_holds_every_view_the_library_computes(images):
     assert len(data["datasets"]["d"]["images"]) == len(images) and data["datasets"]["d"]["source"] == {"first": 16}
     m = data["models"]["tc"]
     assert m["capacities"] == [0.5, 1.0, 2.0] and m["accuracy"] == 0.25 and m["source"] == {"x": 1}
+    assert m["trained_capacity"] == 1.0 and data["models"]["soft"]["trained_capacity"] is None
     assert data["models"]["soft"]["capacities"] == [None] and data["models"]["dropless"]["capacities"] == [None]
     assert data["models"]["soft"]["slots_per_expert"] >= 1 and m["slots_per_expert"] is None
     for layer in range(m["layers"]):
@@ -159,3 +160,16 @@ def test_the_committed_models_load_and_fit_their_budget():
         model, cfg, info = explorer.load_weights(f)
         assert info["label"] and info["origin"] and 0.5 < info["accuracy"] <= 1.0
         assert f.stem.startswith(cfg.dataset + "-")
+
+
+def test_the_explorer_opens_at_the_trained_capacity_factor(images):
+    """Issue 49: a model trained at c = 1.25 is offered 1.25 beside the usual factors, and the
+    online explorer (its JSON) and the live one open there."""
+    model = _model("softmax_expert_choice", capacity_factor=1.25)
+    assert explorer.trained_capacity(model) == 1.25
+    assert explorer.offered_capacities(model, (0.5, 1.0, 2.0)) == [0.5, 1.0, 1.25, 2.0]
+    data = explorer.export({"ec": {"model": model, "dataset": "d"}}, {"d": images})
+    m = data["models"]["ec"]
+    assert m["capacities"] == [0.5, 1.0, 1.25, 2.0] and m["trained_capacity"] == 1.25 and "1.25" in m["views"]
+    pytest.importorskip("ipywidgets")
+    assert explorer.Explorer(model, images).capacity.value == 1.25

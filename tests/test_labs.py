@@ -274,3 +274,32 @@ def test_the_api_pages_example_registers_and_checks_a_lab():
     first, second = done.stdout.split("\n", 1)
     assert first.startswith("ch99.top1: passed")
     assert second.startswith("ch99.top1: FAILED") and "case 'ties'" in second
+
+
+def test_every_pointer_to_the_book_resolves():
+    """Issue 49: each hint, each lab's doc and the labs and teaching pages point at sections and
+    equations that exist: "chapter N, 'Title'" names a heading of chapter N, "chapter N, eq. (X)"
+    an equation the chapter writes as "eq. (X)". A renamed section fails here."""
+    import re
+
+    import ci_scripts
+
+    book = ci_scripts.CI.parent / "book"
+    chapters = {int(p.name[:2]): p.read_text() for p in book.glob("[0-9][0-9]_*.md")}
+    texts = {f"hint of {name}": lab.hint for name, lab in labs.LABS.items()}
+    texts |= {f"doc of {name}": lab.doc for name, lab in labs.LABS.items()}
+    texts |= {page: (book / page).read_text() for page in ("14_labs.md", "15_teaching.md")}
+    pointers = 0
+    for where, text in texts.items():
+        text = " ".join(text.split())
+        for number, title in re.findall(r"chapters? (\d+), '([^']+)'", text):
+            headings = re.findall(r"^#+ (.+?)\s*$", chapters[int(number)], re.M)
+            assert title in headings, f"{where}: chapter {number} has no section {title!r}"
+            pointers += 1
+        for number, equation in re.findall(r"chapter (\d+), eq\. \(([^)]+)\)", text):
+            assert f"eq. ({equation})" in chapters[int(number)], f"{where}: chapter {number} has no eq. ({equation})"
+    assert all(re.search(r"chapter \d+, '", lab.hint) for lab in labs.LABS.values()), "every hint names a section"
+    assert pointers >= 2 * len(labs.LABS)  # the hints, and the same hints on the labs page
+    page = (book / "14_labs.md").read_text()
+    for lab in labs.LABS.values():
+        assert f"Where to look: {lab.hint}\n" in page, f"the labs page's hint for {lab.name} is not the checker's"
