@@ -73,8 +73,9 @@ def make_book(folder: Path, extra: str) -> None:
     intro.write_text(PAGE_LINK.sub(r"\1", intro.read_text()))
     shutil.copystat(ROOT / "book/intro.md", intro)
     shutil.copytree(ROOT / ".ci", folder / ".ci", ignore=shutil.ignore_patterns("__pycache__"))
-    if (ROOT / "_static").is_dir():
-        shutil.copytree(ROOT / "_static", folder / "_static")
+    for rel in ("_static", "_ext"):  # the stylesheet, the book's Sphinx extension
+        if (ROOT / rel).is_dir():
+            shutil.copytree(ROOT / rel, folder / rel, ignore=shutil.ignore_patterns("__pycache__"))
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     config["exclude_patterns"] = [p for p in config["exclude_patterns"] if not p.startswith("book/")] + [
         f"{CHAPTER}.md"]

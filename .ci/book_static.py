@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 
+import yaml
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -25,6 +27,10 @@ def main() -> int:
     if n != 1:
         print("book_static: _config.yml has no `execute_notebooks: force` line to switch off", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(ROOT / ".ci"))
+    from nbval_record import absolute_extension_paths
+
+    static = yaml.safe_dump(absolute_extension_paths(yaml.safe_load(static), ROOT), sort_keys=False)
     with tempfile.TemporaryDirectory() as tmp:
         (pathlib.Path(tmp) / "_config.yml").write_text(static)
         build = subprocess.run(

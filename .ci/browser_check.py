@@ -332,6 +332,12 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
         shots.mkdir(parents=True, exist_ok=True)
         browser.screenshot(shots / (page.replace("/", "_").removesuffix(".html") + ".png"))
     problems = check_explorers(browser, page, shots or html.parent / "browser-check")
+    # Any script error or console error, the theme's included, while loading the page and while the
+    # explorers' controls were moved (the theme's two were fixed at their source, issue 49).
+    errors = [e for e in browser.events if e.get("method") == "Runtime.exceptionThrown" or (
+        e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") in ("error", "assert"))]
+    if errors:
+        problems.append(f"{len(errors)} script error(s) on the page, e.g. {json.dumps(errors[0]['params'])[:300]}")
     if m["unrendered"]:
         problems.append(f"{len(m['unrendered'])} of {m['math_elements']} math element(s) not typeset "
                         f"(MathJax: {state}; scripts {m['mathjax_src'] or 'none'}), "
@@ -358,20 +364,6 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
     return m, [f"{page}: {p}" for p in problems]
 
 
-#: Script errors that every page of this book raises and that are not the explorer's are left to
-#: the theme: those of its files in _static/ (pydata-sphinx-theme logs "Got invalid theme mode"
-#: on a page opened from disk), and this one inline: the build puts sphinx-thebe's configuration
-#: script into each page twice, and the second ``const`` declaration fails (thebe itself is not
-#: used: no launch button starts it). The explorer's script is inline in the page.
-THEME_ERROR = "Identifier 'THEBE_JS_URL' has already been declared"
-
-
-def _source(event: dict) -> str:
-    """The URL of the script that raised or logged a DevTools error event ("" if unknown)."""
-    params = event["params"]
-    details = params.get("exceptionDetails", {})
-    frames = (params.get("stackTrace") or details.get("stackTrace") or {}).get("callFrames") or []
-    return frames[0]["url"] if frames else details.get("url", "")
 #: The routing explorer's data may take this many characters on one page (issue 38: 2 MB).
 EXPLORER_BUDGET = 2_000_000
 
@@ -489,11 +481,6 @@ def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
             "x": box["x"], "y": box["y"], "width": max(box["width"], 1), "height": max(box["height"], 1), "scale": 1}})
         shot.write_bytes(base64.b64decode(png["data"]))
         print(f"    screenshot: {shot}")
-    errors = [e for e in browser.events if (e.get("method") == "Runtime.exceptionThrown" or (
-        e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") in ("error", "assert")))
-        and _source(e) and "/_static/" not in _source(e) and THEME_ERROR not in json.dumps(e["params"])]
-    if errors:
-        problems.append(f"{len(errors)} script error(s) on the page, e.g. {json.dumps(errors[0]['params'])[:300]}")
     return problems
 
 

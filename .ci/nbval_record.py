@@ -124,6 +124,15 @@ def write_executed(nb, outputs: dict[int, list], path: Path, out: Path, root: Pa
 # 2. cache and 3. verify
 
 
+def absolute_extension_paths(settings: dict, root: Path) -> dict:
+    """Jupyter Book finds ``sphinx.local_extensions`` relative to the _config.yml it reads: a copy
+    written elsewhere names them by absolute path (``root``: the original's folder)."""
+    local = settings.get("sphinx", {}).get("local_extensions") or {}
+    for name, path in local.items():
+        local[name] = str((root / path).resolve())
+    return settings
+
+
 def cache(executed: Path, cache_dir: Path, config: Path = ROOT / "_config.yml") -> list[Path]:
     """Add every notebook under ``executed`` to the jupyter-cache at ``cache_dir`` (as the notebook
     of the same path under the repository) and write ``cache_dir/_config.yml``; the notebooks."""
@@ -139,6 +148,7 @@ def cache(executed: Path, cache_dir: Path, config: Path = ROOT / "_config.yml") 
                                     check_validity=False, overwrite=True)
     settings = yaml.safe_load(config.read_text())
     settings.setdefault("execute", {}).update(execute_notebooks="cache", cache=str(cache_dir.resolve()))
+    absolute_extension_paths(settings, config.parent)
     (cache_dir / "_config.yml").write_text(
         "# Written by .ci/nbval_record.py: _config.yml with the chapters' outputs taken from nbval's run.\n"
         + yaml.safe_dump(settings, sort_keys=False, allow_unicode=True))
