@@ -82,13 +82,14 @@ def install_cell(md_text: str = "") -> str:
     return f""":tags: [hide-input]
 
 {CELL_MARKER} from _config.yml (repository, ref) and pyproject.toml.
-# On Colab or another fresh runtime it installs what is missing: mini_moe at the commit this book was
-# built from (`make test` checks that it holds every name and file the page uses). Where the runtime's JAX, Flax,
-# Optax or Orbax is older than mini_moe needs (Colab's JAX and Flax are), it upgrades those, JAX as
-# the build for the accelerator attached (jax[cuda12] on a GPU, jax[tpu] on a TPU) so that its CUDA
-# plugin or libtpu matches; if the old version was already imported, it restarts the runtime once
-# (run the cell again). It ends by printing JAX's backend and devices, with a warning when an
-# accelerator is attached but JAX sees only the CPU (unless the page chose the CPU: JAX_PLATFORMS=cpu).
+# On Colab or another fresh runtime it installs what is missing: mini_moe at the commit this book
+# was built from (`make test` checks that it holds every name and file the page uses). Where the
+# runtime's JAX, Flax, Optax or Orbax is older than mini_moe needs (Colab's JAX and Flax are), it
+# upgrades those, JAX as the build for the accelerator attached (jax[cuda12] on a GPU, jax[tpu] on
+# a TPU) so that its CUDA plugin or libtpu matches; if the old version was already imported, it
+# restarts the runtime once (run the cell again). It ends by printing JAX's backend and devices,
+# with a warning when an accelerator is attached but JAX sees only the CPU (unless the page chose
+# the CPU: JAX_PLATFORMS=cpu).
 import glob
 import os
 import re
