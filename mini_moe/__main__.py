@@ -198,35 +198,66 @@ def _diagnose(args):
 
 
 def _add_labs(sub):
-    p = sub.add_parser("labs", help="the graded labs: list them, or check a student's file against the library",
-                       description="Check every lab function that a student's Python file defines against the "
-                       "library (mini_moe.labs): a table of passed / failed and why, exit status 1 if one fails.",
+    p = sub.add_parser("labs", help="the graded labs: list them, check a student's file, or grade a class",
+                       description="Check every lab function that a student's .py file or filled-in .ipynb defines "
+                       "against the library (mini_moe.labs), each lab in a process of its own that cannot import "
+                       "mini_moe, with a time and a memory limit: a table of passed / failed and why, exit status "
+                       "1 if one fails. 'grade' does so for every submission in a folder and writes a gradebook.",
                        **_examples("python -m mini_moe labs list",
                                    "python -m mini_moe labs check my_routers.py",
-                                   "python -m mini_moe labs check my_routers.py --json"))
-    p.add_argument("action", choices=["list", "check"])
-    p.add_argument("file", nargs="?", help="the student's .py file (for 'check')")
-    p.add_argument("--json", action="store_true", help="one JSON line, for an autograder")
+                                   "python -m mini_moe labs check my_routers.py --json",
+                                   "python -m mini_moe labs grade submissions/ --out grades.csv --seed 7"))
+    p.add_argument("action", choices=["list", "check", "grade"])
+    p.add_argument("path", nargs="?", help="the student's .py or .ipynb ('check'), a folder of them ('grade')")
+    p.add_argument("--json", action="store_true", help="'check': one JSON line, for an autograder")
+    p.add_argument("--out", help="'grade': the gradebook CSV to write (one row per student and lab)")
+    p.add_argument("--seed", type=int, default=0, help="the seed of the generated cases (default 0, as on the page)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds a lab may take (default 120)")
+    p.add_argument("--jobs", type=int, default=None, help="labs checked at once (default: 1 for check, the cores "
+                   "for grade)")
     p.set_defaults(func=_labs)
 
 
 def _labs(args):
+    import csv
+
     from mini_moe import labs
 
     if args.action == "list":
         for name, lab in sorted(labs.LABS.items()):
             print(f"{name:24s} def {lab.function}{lab.signature}")
         return
-    if not args.file:
-        raise InputError("labs check needs the student's file: python -m mini_moe labs check FILE.py")
-    results = labs.check_file(args.file)
+    if not args.path:
+        raise InputError(f"labs {args.action} needs a path: python -m mini_moe labs check FILE.py, or "
+                         "labs grade FOLDER --out grades.csv")
+    timeout = labs.TIMEOUT if args.timeout is None else args.timeout
+    if timeout <= 0:
+        raise InputError(f"--timeout must be > 0 seconds, got {timeout}.")
+    if args.action == "grade":
+        if not args.out:
+            raise InputError("labs grade needs --out FILE.csv, the gradebook to write.")
+        rows = labs.grade(args.path, seed=args.seed, timeout=timeout, jobs=args.jobs)
+        with open(args.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        students = sorted({r["student"] for r in rows})
+        for student in students:
+            mine = [r for r in rows if r["student"] == student]
+            passed = sum(r["status"] == "passed" for r in mine)
+            print(f"{student:24s} {passed} of {len([r for r in mine if r['lab']])} labs passed"
+                  + ("" if all(r["lab"] for r in mine) else f"  ({mine[0]['message']})"))
+        print(f"wrote {args.out}: {len(rows)} rows, {len(students)} students")
+        return
+    results = labs.check_file(args.path, seed=args.seed, timeout=timeout, jobs=args.jobs or 1)
     if args.json:
-        print(json.dumps([{"lab": r.lab, "passed": r.passed, "cases": r.cases, "message": r.message} for r in results]))
+        print(json.dumps([{"lab": r.lab, "passed": r.passed, "status": labs.status(r), "cases": r.cases,
+                           "message": r.message} for r in results]))
     else:
         for r in results:
             print(f"{r.lab:24s} {'passed' if r.passed else 'FAILED'}")
         for r in results:
-            if not r.passed:
+            if r.message:
                 print(f"\n{r}")
     if not all(r.passed for r in results):
         raise SystemExit(1)

@@ -23,9 +23,8 @@ lab is one :func:`register` call with a reference, an input generator and a hint
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-import traceback
+import time
 from typing import Any, Callable
 
 import jax
@@ -52,6 +51,8 @@ class Lab:
         first one a wrong answer breaks is named in the report.
       hint: where in the chapter to look.
       tolerance: ``(rtol, atol)`` for float outputs; integer outputs are compared exactly.
+      axes: per output, the names of its axes (``("token", "expert", "slot")``), so that a report
+        says where the first difference is.
     """
 
     name: str
@@ -62,6 +63,7 @@ class Lab:
     hint: str
     properties: tuple = ()
     tolerance: tuple = (1e-5, 1e-6)
+    axes: tuple = ()
 
     @property
     def function(self) -> str:
@@ -86,24 +88,28 @@ def register(lab: Lab) -> Lab:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """The outcome of :func:`check`: ``passed``, the lab, the cases run, and the report."""
+    """The outcome of checking one lab: ``passed``, the lab, the cases run, the report (on a pass, a
+    note or nothing), and the wall seconds the check took."""
 
     lab: str
     passed: bool
     cases: int
     message: str
+    seconds: float = 0.0
 
     def __str__(self) -> str:
         return f"{self.lab}: {'passed' if self.passed else 'FAILED'} ({self.cases} cases)\n{self.message}".rstrip()
 
 
 def _show(value) -> str:
+    """A value in at most a few lines: small arrays whole, larger ones summarised."""
     if isinstance(value, (tuple, list)):  # several outputs, e.g. (order, group_sizes)
         return "(" + ", ".join(_show(v) for v in value) + ")"
     array = np.asarray(value)
     if array.ndim == 0:
         return repr(array.item())
-    return np.array2string(array, precision=4, suppress_small=True, max_line_width=100, threshold=200)
+    text = np.array2string(array, precision=4, suppress_small=True, max_line_width=100, threshold=24, edgeitems=2)
+    return text if text.count("\n") < 6 else f"an array of shape {array.shape}"
 
 
 def _equal(expected, actual, tolerance) -> bool:
@@ -113,45 +119,115 @@ def _equal(expected, actual, tolerance) -> bool:
     return np.allclose(actual, expected, rtol=tolerance[0], atol=tolerance[1])  # 0/1 dispatch is exact within it
 
 
-def check(name: str, fn: Callable, *, seed: int = 0) -> Result:
-    """Check the student's ``fn`` for lab ``name`` against the library (see the module docstring).
+def _first_difference(expected, actual, tolerance, axes) -> str:
+    """Where two arrays of one shape first differ, e.g. "token 3, expert 1, slot 0: expected 1.0, got 0.0"."""
+    expected, actual = np.asarray(expected, np.float64), np.asarray(actual, np.float64)
+    if expected.ndim == 0:
+        return f"expected {expected.item():.6g}, got {actual.item():.6g}"
+    exact = expected.dtype == bool or np.issubdtype(np.asarray(expected).dtype, np.integer)
+    differs = expected != actual if exact else ~np.isclose(actual, expected, rtol=tolerance[0], atol=tolerance[1])
+    index = tuple(int(i) for i in np.argwhere(differs)[0])
+    names = axes if len(axes) == len(index) else [f"axis {d}" for d in range(len(index))]
+    at = ", ".join(f"{name} {i}" for name, i in zip(names, index))
+    return f"{at}: expected {expected[index]:.6g}, got {actual[index]:.6g}"
 
-    Every case is called eagerly and, to check that ``fn`` is jit-compatible where the library's
-    is, under ``jax.jit`` with the integer arguments static. Returns a :class:`Result`; never
-    raises for a wrong or crashing ``fn``.
+
+def _static(kwargs: dict) -> list[str]:
+    """The arguments the library's functions take as Python numbers: static under ``jax.jit``."""
+    return [k for k, v in kwargs.items() if isinstance(v, (int, float, bool)) and not isinstance(v, np.ndarray)]
+
+
+def _cases(lab: Lab, seed: int) -> list:
+    return lab.cases(np.random.default_rng(seed))
+
+
+def check(name: str, fn: Callable, *, seed: int = 0) -> Result:
+    """Check the student's ``fn`` for lab ``name`` against the library, in this process (practice:
+    the labs page, nbgrader). The grader of a course runs :func:`check_file` instead, which keeps a
+    submission in a process of its own.
+
+    Every case is called eagerly with NumPy arrays, which decides the verdict (plain NumPy is
+    accepted), and then under ``jax.jit`` with the Python-number arguments static: a jitted result
+    that differs fails, one that does not compile is noted. Returns a :class:`Result`; never raises
+    for a wrong or crashing ``fn``.
     """
+    from mini_moe import labs_worker
+
+    lab = _lab(name)
+    source = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    cases = _cases(lab, seed)
+    runs = (labs_worker.run_case(fn, kwargs, _static(kwargs), source) for _, kwargs in cases)
+    tick = time.perf_counter()
+    return dataclasses.replace(_grade(lab, cases, runs), seconds=round(time.perf_counter() - tick, 3))
+
+
+def _lab(name: str) -> Lab:
     if name not in LABS:
         raise InputError(f"Unknown lab {name!r}; expected one of: {', '.join(sorted(LABS))}.")
-    lab = LABS[name]
-    cases = lab.cases(np.random.default_rng(seed))
-    for count, (label, kwargs) in enumerate(cases, 1):
+    return LABS[name]
+
+
+REFUSED = ("refused: the file uses mini_moe, whose functions are the reference solutions; write the lab "
+           "functions without importing it.")
+
+
+def _grade(lab: Lab, cases: list, runs) -> Result:
+    """The verdict on ``runs``, one per case as :func:`mini_moe.labs_worker.run_case` returns it, or
+    ``{"load" | "stopped": error}`` / ``{"timeout": seconds}`` / ``{"lost": True}`` where the
+    submission's process did not get that far. Computed here, from data only."""
+    note = ""
+    count = 0
+    for count, ((label, kwargs), run) in enumerate(zip(cases, runs), 1):
+        if "load" in run:
+            if "mini_moe" in run["load"]["message"]:
+                return Result(lab.name, False, 0, REFUSED)
+            return Result(lab.name, False, 0, f"the file does not load: {_error(run['load'])}")
+        if "timeout" in run:
+            return Result(lab.name, False, count, f"case '{label}': timed out after {run['timeout']:g} s.\n"
+                          f"  inputs: {_inputs(kwargs)}\n  hint: {lab.hint}")
+        if "stopped" in run or "lost" in run:
+            why = "its process ended without a result" if "lost" in run else (
+                f"{run['stopped']['error']} {run['stopped']['message']}".strip()
+                + (f" at {run['stopped']['where']}" if run["stopped"].get("where") else ""))
+            return Result(lab.name, False, count, f"case '{label}': the function stopped the check: {why}.")
+        eager, jit = run["eager"], run.get("jit", {})
+        if eager.get("error") == "NotImplementedError":
+            return Result(lab.name, False, count - 1, "not implemented yet: fill in the function's body.")
         expected = lab.reference(**kwargs)
-        try:
-            actual = fn(**kwargs)
-        except NotImplementedError:
-            return Result(name, False, count - 1, "not implemented yet: fill in the function's body.")
-        except Exception as e:  # the student's code raised: say where, briefly
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            return Result(name, False, count, f"case '{label}' raised {type(e).__name__}: {e}\n"
-                          f"  (line {frame.lineno}: {frame.line})\n  inputs: {_inputs(kwargs)}\n  hint: {lab.hint}")
-        report = _compare(lab, label, kwargs, expected, actual)
+        if eager.get("error") == "ModuleNotFoundError" and "mini_moe" in eager["message"]:
+            return Result(lab.name, False, count, REFUSED)
+        if "error" in eager:
+            return Result(lab.name, False, count, f"case '{label}' raised {_error(eager)}\n"
+                          f"  inputs: {_inputs(kwargs)}\n{_signature_hint(lab, eager)}  hint: {lab.hint}")
+        report = _compare(lab, label, kwargs, expected, eager["outputs"])
         if report:
-            return Result(name, False, count, report)
-        static = [k for k, v in kwargs.items() if isinstance(v, (int, float, bool)) and not isinstance(v, np.ndarray)]
-        try:
-            jitted = jax.jit(fn, static_argnames=static)(**kwargs)
-        except Exception as e:
-            return Result(name, False, count, f"case '{label}': the function is not jit-compatible "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:200]}). Use jnp operations and no Python "
-                          f"control flow on array values.\n  hint: {lab.hint}")
-        report = _compare(lab, label + " (under jax.jit)", kwargs, expected, jitted)
+            return Result(lab.name, False, count, report)
+        if "error" in jit:
+            note = note or (f"note: it does not run under jax.jit ({jit['error']}: {jit['message'][:120]}); "
+                            "the library's does, and a model needs that.")
+            continue
+        report = _compare(lab, label + " (under jax.jit)", kwargs, expected, jit["outputs"])
         if report:
-            return Result(name, False, count, report)
-    return Result(name, True, len(cases), "")
+            return Result(lab.name, False, count, report)
+    if count < len(cases):
+        return Result(lab.name, False, count, "the check stopped before its last case.")
+    return Result(lab.name, True, len(cases), note)
+
+
+def _error(error: dict) -> str:
+    where = f"\n  ({error['where']})" if error.get("where") else ""
+    return f"{error['error']}: {error['message']}{where}"
+
+
+def _signature_hint(lab: Lab, error: dict) -> str:
+    if error["error"] == "TypeError" and "argument" in error["message"]:
+        return (f"  the grader calls your function by the stub's parameter names: "
+                f"def {lab.function}{lab.signature}\n")
+    return ""
 
 
 def _inputs(kwargs) -> str:
-    return "; ".join(f"{k} = {_show(v)}" for k, v in kwargs.items())
+    return "".join(f"\n    {k} = " + _show(v).replace("\n", "\n      ") for k, v in kwargs.items())
 
 
 def _holds(prop, kwargs, actual) -> bool:
@@ -163,24 +239,33 @@ def _holds(prop, kwargs, actual) -> bool:
         return False
 
 
-def _compare(lab, label, kwargs, expected, actual) -> str | None:
-    expected_tree, actual_tree = jax.tree.leaves(expected), jax.tree.leaves(actual)
-    if len(expected_tree) != len(actual_tree):
-        return f"case '{label}': expected {len(expected_tree)} output array(s), got {len(actual_tree)}.\n  hint: {lab.hint}"
-    for e, a in zip(expected_tree, actual_tree):
+def _compare(lab, label, kwargs, expected, actual: list) -> str | None:
+    """None when the outputs ``actual`` (a list of arrays) equal the reference's, else the report:
+    the property broken, the first differing entry and the inputs, in a few lines."""
+    expected_tree = jax.tree.leaves(expected)
+    if len(actual) != len(expected_tree):
+        got = "None" if not actual else f"{len(actual)} array(s)"
+        return (f"case '{label}': expected {len(expected_tree)} output array(s), the function returned {got}.\n"
+                f"  hint: {lab.hint}")
+    for e, a in zip(expected_tree, actual):
         if np.shape(a) != np.shape(e):
             return (f"case '{label}': the output has shape {np.shape(a)}, expected {np.shape(e)}.\n"
                     f"  inputs: {_inputs(kwargs)}\n  hint: {lab.hint}")
         if not np.all(np.isfinite(np.asarray(a, np.float64))):
             return (f"case '{label}': the output holds NaN or inf.\n  inputs: {_inputs(kwargs)}\n"
                     f"  actual: {_show(a)}\n  hint: {lab.hint}")
-    if all(_equal(e, a, lab.tolerance) for e, a in zip(expected_tree, actual_tree)):
+    differs = [i for i, (e, a) in enumerate(zip(expected_tree, actual)) if not _equal(e, a, lab.tolerance)]
+    if not differs:
         return None
-    broken = next((what for what, holds in lab.properties if not _holds(holds, kwargs, actual)), None)
+    i = differs[0]
+    output = f"output {i} ({len(actual)} outputs), " if len(actual) > 1 else ""
+    axes = lab.axes[i] if i < len(lab.axes) else ()
+    value = actual if len(actual) > 1 else actual[0]
+    broken = next((what for what, holds in lab.properties if not _holds(holds, kwargs, value)), None)
     return (f"case '{label}': the output differs from the library's.\n"
             + (f"  property broken: {broken}\n" if broken else "")
-            + f"  inputs: {_inputs(kwargs)}\n  expected: {_show(expected if len(expected_tree) > 1 else expected_tree[0])}\n"
-            f"  actual:   {_show(actual if len(actual_tree) > 1 else actual_tree[0])}\n  hint: {lab.hint}")
+            + f"  first difference: {output}{_first_difference(expected_tree[i], actual[i], lab.tolerance, axes)}\n"
+            f"  inputs: {_inputs(kwargs)}\n  hint: {lab.hint}")
 
 
 # ----------------------------------------------------------------------------- input generators
@@ -221,6 +306,17 @@ def _score_cases(rng, *, with_capacity=True, k_values=(1,)):
     return cases
 
 
+def _capacity_cases(rng):
+    """(T, E, factor) with factor * T / E a half (10/4: up, not to even), below a half (9/4: not up,
+    as ceil would), above a half (11/4), under 1 (3/4, 1/4: never below 1), and six drawn from
+    ``rng``."""
+    fixed = [(10, 4, 1.0), (9, 2, 1.0), (9, 4, 1.0), (11, 4, 1.0), (6, 4, 1.0), (3, 4, 1.0), (1, 4, 1.0), (2, 8, 1.0),
+             (14, 4, 1.0), (100, 8, 1.25), (7, 2, 2.0), (1, 16, 0.5)]
+    drawn = [(int(rng.integers(1, 300)), int(rng.integers(1, 33)), float(rng.choice([0.5, 1.0, 1.25, 1.5, 2.0])))
+             for _ in range(6)]
+    return [(f"T={t}, E={e}, factor={f}", dict(num_tokens=t, num_experts=e, factor=f)) for t, e, f in fixed + drawn]
+
+
 def _soft(rt):
     return rt.dispatch, rt.combine
 
@@ -243,14 +339,13 @@ register(Lab(
     doc="The buffer capacity C = round(factor * T / E) (chapter 1, Algorithm 1): halves round up, never below 1. "
         "Returns an int.",
     reference=lambda num_tokens, num_experts, factor: routing.capacity(num_tokens, num_experts, factor),
-    cases=lambda rng: [(f"T={t}, E={e}, factor={f}", dict(num_tokens=t, num_experts=e, factor=f)) for t, e, f in
-                       [(10, 4, 1.0), (9, 2, 1.0), (6, 4, 1.0), (2, 8, 1.0), (14, 4, 1.0), (100, 8, 1.25), (7, 2, 2.0),
-                        (1, 16, 0.5)]],
+    cases=lambda rng: _capacity_cases(rng),
     hint="chapter 1, 'The conventions we follow': which way does a half round, and what is the smallest C?",
 ))
 
 register(Lab(
     name="ch02.token_choice",
+    axes=(("token", "expert", "slot"),),
     signature="(scores, capacity, k)",
     doc="Algorithm 1 (paper 000): scores [T, E] -> dispatch [T, E, C] (0/1). Every token picks its k best experts; "
         "all first choices are placed (in token order) before any second choice; a pick finding its expert's C "
@@ -265,6 +360,7 @@ register(Lab(
 
 register(Lab(
     name="ch02.token_choice_bpr",
+    axes=(("token", "expert", "slot"),),
     signature="(scores, capacity)",
     doc="Algorithm 1 with Batch Priority Routing, k = 1: tokens visited by decreasing top-1 score (a stable sort: "
         "equal scores keep token order). scores [T, E] -> dispatch [T, E, C].",
@@ -277,6 +373,7 @@ register(Lab(
 
 register(Lab(
     name="ch04.expert_choice",
+    axes=(("token", "expert", "slot"),),
     signature="(scores, capacity)",
     doc="Algorithm 2: every expert takes the C tokens with its highest scores (ties: the earlier token), slot i "
         "holding its i-th best. scores [T, E] -> dispatch [T, E, C] (0/1).",
@@ -317,6 +414,7 @@ register(Lab(
 
 register(Lab(
     name="ch03.sinkhorn",
+    axes=(("token", "expert"),),
     signature="(logits, num_iters)",
     doc="Log-domain Sinkhorn (eq. 8, epsilon = 1): logits [T, E] -> the plan [T, E]. Each iteration sets the row "
         "potentials f so every row sums to 1, then the column potentials g so every column sums to T/E; the plan is "
@@ -336,6 +434,7 @@ register(Lab(
 
 register(Lab(
     name="ch06.soft_routing",
+    axes=(("token", "expert", "slot"), ("token", "expert", "slot")),
     signature="(logits)",
     doc="Soft MoE's dispatch and combine (paper 002, eq. 1-2): logits [T, E, S] -> (dispatch, combine), both "
         "[T, E, S]: dispatch is a softmax over the tokens (each slot's weights sum to 1), combine a softmax over all "
@@ -385,6 +484,7 @@ register(Lab(
 
 register(Lab(
     name="ch12.bias_step",
+    axes=(("expert",),),
     signature="(bias, load, rate)",
     doc="One update of auxiliary-loss-free balancing's expert bias (DeepSeek-V3, Sec. 2.1.2): bias [E], load [E] "
         "(picks per expert over the whole batch), rate u -> the new bias [E]: b_e + u * sign(mean load - load_e).",
@@ -407,6 +507,7 @@ register(Lab(
 
 register(Lab(
     name="ch12.group_limit",
+    axes=(("token", "expert"),),
     signature="(scores, num_groups, top_groups)",
     doc="Group-limited routing (DeepSeek-V3, Sec. 2.1.2; node-limited in V2): scores [T, E]; the E experts form "
         "num_groups equal groups of consecutive experts; a group scores the sum of its two highest scores (its highest "
@@ -432,6 +533,7 @@ register(Lab(
 
 register(Lab(
     name="ch13.sort_by_expert",
+    axes=(("row",), ("expert",)),
     signature="(expert, num_experts)",
     doc="The dropless layout: expert [M] int (the expert of each pick) -> (order [M], group_sizes [E]): order "
         "lists the picks grouped by expert (expert[order] sorted, picks of one expert in their original order), "
@@ -450,26 +552,278 @@ register(Lab(
 ))
 
 
-def lab_functions(namespace: dict) -> dict[str, Callable]:
-    """The lab functions a student's module defines: ``{lab name: function}``."""
-    by_function = {lab.function: name for name, lab in LABS.items()}
-    return {by_function[k]: v for k, v in namespace.items() if k in by_function and inspect.isfunction(v)}
+# ------------------------------------------------------------------------------------- the grader
+
+#: The seconds a submission's process may run for one lab, and the memory (GiB) it may take.
+TIMEOUT, MEMORY_GIB = 120.0, 4.0
+#: A notebook's code runs after these imports (the labs page imports them in a cell that also
+#: imports mini_moe, which the grader leaves out).
+NOTEBOOK_PREAMBLE = "import math\n\nimport jax\nimport jax.numpy as jnp\nimport numpy as np\n\n"
 
 
-def check_file(path) -> list[Result]:
-    """Run a student's file and check every lab function it defines (the grader)."""
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """A student's file made ready for the grader: ``source`` is a Python file holding its code (a
+    notebook's code cells, see :func:`read_submission`), ``labs`` the labs whose functions it defines."""
+
+    student: str
+    path: str
+    source: str
+    labs: tuple[str, ...]
+    uses_library: bool
+
+
+def read_submission(path, folder) -> Submission:
+    """Read a student's ``.py`` file, or the ``.ipynb`` they filled in, into ``folder``.
+
+    Of a notebook, the code cells are kept except those that use the library (``mini_moe`` or
+    ``labs.``: the install, import and check cells of the labs page), IPython magics are dropped,
+    and :data:`NOTEBOOK_PREAMBLE` comes first. Raises ``InputError`` for a missing file, a
+    file that is not Python or not a notebook, or one that defines no lab function."""
+    import ast
     import pathlib
-    import runpy
 
     path = pathlib.Path(path)
     if not path.is_file():
-        raise InputError(f"{path} is not a file; pass the student's .py file.")
+        raise InputError(f"{path} is not a file; pass the student's .py file or filled-in .ipynb.")
+    if path.suffix == ".ipynb":
+        import nbformat
+
+        try:
+            nb = nbformat.read(path, as_version=4)
+        except Exception as e:
+            raise InputError(f"{path} is not a readable notebook ({type(e).__name__}: {e}).") from None
+        cells = [c.source for c in nb.cells if c.cell_type == "code" and "mini_moe" not in c.source
+                 and "labs." not in c.source]
+        text = NOTEBOOK_PREAMBLE + "\n\n".join(
+            "\n".join(line for line in cell.splitlines() if not line.lstrip().startswith(("%", "!")))
+            for cell in cells) + "\n"
+    elif path.suffix == ".py":
+        text = path.read_text()
+    else:
+        raise InputError(f"{path}: expected a .py file or an .ipynb notebook.")
     try:
-        namespace = runpy.run_path(str(path))
-    except Exception as e:
-        raise InputError(f"{path} does not run: {type(e).__name__}: {e}") from None
-    found = lab_functions(namespace)
-    if not found:
+        tree = ast.parse(text, filename=path.name)
+    except SyntaxError as e:
+        raise InputError(f"{path} does not run: SyntaxError: {e.msg} (line {e.lineno}).") from None
+    defined = {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defined |= {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Name)}
+    names = tuple(sorted(name for name, lab in LABS.items() if lab.function in defined))
+    if not names:
         raise InputError(f"{path} defines no lab function; expected one of: "
                          f"{', '.join(sorted(LABS[n].function for n in LABS))}.")
-    return [check(name, fn) for name, fn in sorted(found.items())]
+    # An import of mini_moe, or a string that names it (__import__, importlib, exec); the
+    # submission's process cannot import it anyway (run_sandboxed), this says why up front.
+    uses = any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "mini_moe" for a in node.names)
+               or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "mini_moe"
+               or isinstance(node, ast.Constant) and isinstance(node.value, str) and "mini_moe" in node.value
+               for node in ast.walk(tree))
+    source = pathlib.Path(folder) / (path.stem + ".py")
+    source.write_text(text)
+    return Submission(path.stem, str(path), str(source), names, uses)
+
+
+def _library_free_path(folder) -> list[str]:
+    """A ``sys.path`` for a submission's process: the standard library and every installed package
+    but ``mini_moe`` (a folder of links to site-packages' entries, without mini_moe's and without
+    the .pth files that an editable install adds)."""
+    import pathlib
+    import site
+    import sys
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    base = pathlib.Path(sys.base_prefix).resolve()
+    stdlib = [p for p in sys.path if p and "-packages" not in p and pathlib.Path(p).resolve().is_relative_to(base)]
+    links = pathlib.Path(folder) / "site-packages"
+    links.mkdir(exist_ok=True)
+    packages = {*site.getsitepackages(), paths["purelib"], paths["platlib"]}
+    for directory in map(pathlib.Path, sorted(packages)):
+        for entry in directory.glob("*") if directory.is_dir() else []:
+            key = entry.name.lower().replace("-", "_")
+            if key.startswith(("mini_moe", "__editable__")) or entry.suffix == ".pth" or (links / entry.name).exists():
+                continue
+            (links / entry.name).symlink_to(entry)
+    return [p for p in dict.fromkeys(stdlib) if pathlib.Path(p).is_dir()] + [str(links)]
+
+
+def run_sandboxed(name: str, submission: Submission, folder, *, seed: int = 0, timeout: float = TIMEOUT,
+                  memory_gib: float = MEMORY_GIB, sys_path: list[str] | None = None) -> Result:
+    """Check lab ``name`` of ``submission`` with the student's code in a process of its own.
+
+    That process (``python -I -S``, :mod:`mini_moe.labs_worker`) cannot import mini_moe, has
+    ``timeout`` seconds and ``memory_gib`` GiB of address space, and hands back only arrays and text
+    (``.npz`` without pickles, JSON lines); the verdict is computed here, in the grader. Whatever
+    the student's code does (exit, loop, patch the grader, print a verdict), it reaches no verdict
+    but its outputs."""
+    import json
+    import os
+    import pathlib
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    lab = _lab(name)
+    tick = time.perf_counter()
+    if submission.uses_library:
+        return Result(name, False, 0, REFUSED, round(time.perf_counter() - tick, 3))
+    job = pathlib.Path(folder) / f"job-{name}"
+    job.mkdir(parents=True)
+    worker = pathlib.Path(folder) / "labs_worker.py"
+    if not worker.exists():
+        shutil.copy(pathlib.Path(__file__).with_name("labs_worker.py"), worker)
+    cases = _cases(lab, seed)
+    arrays, described = {}, []
+    for i, (label, kwargs) in enumerate(cases):
+        entry = {}
+        for key, value in kwargs.items():
+            if isinstance(value, np.ndarray):
+                arrays[f"{i}_{key}"] = value
+                entry[key] = {"array": f"{i}_{key}"}
+            else:
+                entry[key] = {"value": value}
+        described.append({"label": label, "kwargs": entry, "static": _static(kwargs)})
+    np.savez(job / "inputs.npz", **arrays)
+    (job / "job.json").write_text(json.dumps({
+        "source": submission.source, "function": lab.function, "cases": described,
+        "sys_path": sys_path if sys_path is not None else _library_free_path(folder),
+        # set by the worker before it loads the submission (CPU seconds: a backstop to the wall clock)
+        "limits": {"memory_bytes": int(memory_gib * (1 << 30)), "cpu_seconds": int(timeout * (os.cpu_count() or 1)) + 10}}))
+    env = {"PATH": os.environ.get("PATH", ""), "HOME": str(job), "JAX_PLATFORMS": "cpu",
+           **{k: v for k, v in os.environ.items() if k.startswith(("XLA_", "OPENBLAS_", "OMP_"))}}
+    proc = subprocess.Popen([sys.executable, "-I", "-S", str(worker), str(job)], cwd=job, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+        timed_out = False
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        timed_out = True
+    runs = _read_runs(job, len(cases), timed_out, timeout)
+    return dataclasses.replace(_grade(lab, cases, runs), seconds=round(time.perf_counter() - tick, 3))
+
+
+def _read_runs(job, count: int, timed_out: bool, timeout: float) -> list[dict]:
+    """What the submission's process wrote, as :func:`_grade` reads it. Its files are data from an
+    untrusted process: JSON of known shape and arrays without pickles; anything else is "lost"."""
+    import json
+
+    runs: dict[int, dict] = {}
+    text = (job / "cases.jsonl").read_text() if (job / "cases.jsonl").exists() else ""
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+            i = int(entry["case"])
+            if "load" in entry:
+                return [{"load": _clean(entry["load"])}]
+            if "stopped" in entry:
+                runs[i] = {"stopped": _clean(entry["stopped"])}
+            elif "result" in entry:
+                runs[i] = _outputs(job, i, entry["result"])
+        except (ValueError, KeyError, TypeError, OSError):
+            break
+    out = []
+    for i in range(count):
+        if i in runs:
+            out.append(runs[i])
+            if "stopped" in runs[i] or "lost" in runs[i]:
+                break
+        else:
+            out.append({"timeout": timeout} if timed_out else {"lost": True})
+            break
+    return out
+
+
+def _clean(error) -> dict:
+    return {"error": str(error["error"])[:80], "message": str(error["message"])[:400], "where": str(error["where"])[:300]}
+
+
+def _outputs(job, i: int, result: dict) -> dict:
+    run = {}
+    with np.load(job / f"case-{i}.npz", allow_pickle=False) as arrays:
+        for mode in ("eager", "jit"):
+            if mode not in result:
+                continue
+            if "error" in result[mode]:
+                run[mode] = _clean(result[mode])
+            else:
+                run[mode] = {"outputs": [np.asarray(arrays[f"{mode}_{j}"]) for j in range(int(result[mode]["count"]))]}
+    if "eager" not in run:
+        return {"lost": True}
+    return run
+
+
+def check_file(path, *, seed: int = 0, timeout: float = TIMEOUT, memory_gib: float = MEMORY_GIB,
+               jobs: int = 1) -> list[Result]:
+    """The grader: check every lab function that a student's ``.py`` file or filled-in ``.ipynb``
+    defines, each in a process of its own (:func:`run_sandboxed`), ``jobs`` at a time."""
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    with tempfile.TemporaryDirectory() as folder:
+        submission = read_submission(path, folder)
+        sys_path = _library_free_path(folder)
+        with ThreadPoolExecutor(max(1, jobs)) as pool:
+            return list(pool.map(lambda name: run_sandboxed(name, submission, folder, seed=seed, timeout=timeout,
+                                                            memory_gib=memory_gib, sys_path=sys_path),
+                                 submission.labs))
+
+
+def grade(folder, *, seed: int = 0, timeout: float = TIMEOUT, memory_gib: float = MEMORY_GIB,
+          jobs: int | None = None) -> list[dict]:
+    """Grade a class: every ``.py`` or ``.ipynb`` in ``folder`` (or one in each of its sub-folders,
+    named after the student) is a submission. Returns one row per student and lab: ``student``,
+    ``file``, ``lab``, ``status`` (passed, failed, not implemented, refused, timed out; or error for
+    a file that cannot be graded, with lab empty), ``cases``, ``seconds``, ``message`` (its first
+    line). The labs run ``jobs`` at a time (default: the cores), each in its own process."""
+    import os
+    import pathlib
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise InputError(f"{folder} is not a folder of submissions.")
+    files = sorted(p for p in folder.iterdir() if p.suffix in (".py", ".ipynb") and p.is_file())
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        found = sorted(p for p in sub.iterdir() if p.suffix in (".py", ".ipynb") and p.is_file())
+        files += found[:1]
+    if not files:
+        raise InputError(f"{folder} holds no .py or .ipynb submission (directly or one per sub-folder).")
+    rows, tasks = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        sys_path = _library_free_path(tmp)
+        for i, path in enumerate(files):
+            student = path.parent.name if path.parent != folder else path.stem
+            work = pathlib.Path(tmp) / f"s{i}"
+            work.mkdir()
+            try:
+                submission = dataclasses.replace(read_submission(path, work), student=student)
+            except InputError as e:
+                rows.append({"student": student, "file": path.name, "lab": "", "status": "error", "cases": 0,
+                             "seconds": 0.0, "message": str(e)})
+                continue
+            tasks += [(submission, work, name) for name in submission.labs]
+        with ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
+            results = pool.map(lambda t: (t[0], run_sandboxed(t[2], t[0], t[1], seed=seed, timeout=timeout,
+                                                               memory_gib=memory_gib, sys_path=sys_path)), tasks)
+            for submission, r in results:
+                rows.append({"student": submission.student, "file": pathlib.Path(submission.path).name,
+                             "lab": r.lab, "status": status(r), "cases": r.cases, "seconds": r.seconds,
+                             "message": r.message.splitlines()[0] if r.message else ""})
+    return sorted(rows, key=lambda row: (row["student"], row["lab"]))
+
+
+def status(result: Result) -> str:
+    """One word for a result: passed, failed, not implemented, refused or timed out."""
+    if result.passed:
+        return "passed"
+    first = result.message.splitlines()[0] if result.message else ""
+    for word in ("not implemented", "refused", "timed out"):
+        if first.startswith(word) or f": {word}" in first or f"{word} after" in first:
+            return word
+    return "failed"

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from mini_moe import labs, routing, transport
@@ -39,6 +40,10 @@ MUTANTS = {
         lambda num_tokens, num_experts, factor: max(1, int(factor * num_tokens / num_experts)),  # floor
         lambda num_tokens, num_experts, factor: max(1, round(factor * num_tokens / num_experts)),  # banker's rounding
         lambda num_tokens, num_experts, factor: math.floor(factor * num_tokens / num_experts + 0.5),  # may be 0
+        lambda num_tokens, num_experts, factor: max(1, math.ceil(factor * num_tokens / num_experts)),  # ceil
+        # T/E rounded before the factor applies
+        lambda num_tokens, num_experts, factor: max(1, math.floor(
+            factor * math.floor(num_tokens / num_experts + 0.5) + 0.5)),
     ],
     "ch02.token_choice": [
         # capacity not enforced: every token keeps its first choice
@@ -51,6 +56,11 @@ MUTANTS = {
         lambda scores, capacity, k: jnp.pad(routing.token_choice(jnp.asarray(scores), capacity=max(capacity - 1, 1),
                                                                  k=k).dispatch, ((0, 0), (0, 0), (0, 1)))
         if capacity > 1 else routing.token_choice(jnp.asarray(scores), capacity=capacity, k=k).dispatch * 0,
+        # slots filled from the last one: the buffer's order reversed
+        lambda scores, capacity, k: routing.token_choice(jnp.asarray(scores), capacity=capacity, k=k).dispatch[..., ::-1],
+        # ties broken towards the higher expert
+        lambda scores, capacity, k: routing.token_choice(jnp.asarray(scores)[:, ::-1], capacity=capacity,
+                                                         k=k).dispatch[:, ::-1],
     ],
     "ch02.token_choice_bpr": [
         lambda scores, capacity: routing.token_choice(jnp.asarray(scores), capacity=capacity).dispatch,  # no BPR
@@ -59,6 +69,10 @@ MUTANTS = {
         # ties broken towards the later token (a descending sort that is not stable)
         lambda scores, capacity: _top1_dispatch(
             scores, capacity, scores.shape[0] - 1 - jnp.argsort(-jnp.max(scores, -1)[::-1], stable=True)),
+        # the last token first: reversed group order instead of priority
+        lambda scores, capacity: _top1_dispatch(scores, capacity, jnp.arange(scores.shape[0])[::-1]),
+        # priority by the score of expert 0, not by each token's top score
+        lambda scores, capacity: _top1_dispatch(scores, capacity, jnp.argsort(-scores[:, 0], stable=True)),
     ],
     "ch04.expert_choice": [
         # top-C over the wrong axis: each token picks C experts
@@ -69,6 +83,13 @@ MUTANTS = {
         lambda scores, capacity: routing.expert_choice(jnp.asarray(scores), capacity=capacity).dispatch[..., ::-1],
         # ties broken towards the later token
         lambda scores, capacity: routing.expert_choice(jnp.asarray(scores)[::-1], capacity=capacity).dispatch[::-1],
+        # one token too few per expert
+        lambda scores, capacity: jnp.pad(routing.expert_choice(jnp.asarray(scores), capacity=max(capacity - 1, 1))
+                                         .dispatch, ((0, 0), (0, 0), (0, 1))) if capacity > 1 else
+        jnp.zeros(scores.shape + (capacity,)),
+        # a second softmax over the experts on scores that are already probabilities
+        lambda scores, capacity: routing.expert_choice(jax.nn.softmax(jnp.asarray(scores) * 10, -1),
+                                                       capacity=capacity).dispatch,
     ],
     "ch02.switch_loss": [
         # P from the kept (top-k) probabilities only
@@ -76,49 +97,71 @@ MUTANTS = {
             jnp.where(_picked(probs, k), probs, 0.0), 0)),
         lambda probs, k: jnp.sum(_f(probs, k) * jnp.mean(probs, 0)),  # missing the factor E
         lambda probs, k: probs.shape[-1] * jnp.sum(_f(probs, k) * k * jnp.mean(probs, 0)),  # f over T, not k T
+        lambda probs, k: probs.shape[-1] * jnp.sum(_f(probs, 1) * jnp.mean(probs, 0)),  # first choices only
+        lambda probs, k: probs.shape[-1] * jnp.sum(_f(probs, k) * jnp.sum(probs, 0)),  # P summed, not averaged
     ],
     "ch02.z_loss": [
         lambda logits: jnp.mean(jnp.log(jnp.sum(jnp.exp(logits), -1)) ** 2),  # overflows at extreme logits
         lambda logits: jnp.mean(jax.nn.logsumexp(logits, -1)),  # not squared
         lambda logits: jnp.sum(jax.nn.logsumexp(logits, -1) ** 2),  # summed, not averaged
+        lambda logits: jnp.mean(jnp.max(logits, -1) ** 2),  # the max logit instead of logsumexp
+        lambda logits: jnp.mean(jax.nn.logsumexp(logits, 0) ** 2),  # logsumexp over the tokens
     ],
     "ch03.sinkhorn": [
         lambda logits, num_iters: transport.sinkhorn(jnp.asarray(logits).T, num_iters=num_iters).T,  # columns first
         lambda logits, num_iters: jax.nn.softmax(logits, -1),  # no iterations at all
         lambda logits, num_iters: _plain_sinkhorn(logits, num_iters),  # not in the log domain
+        lambda logits, num_iters: _log_sinkhorn(logits, num_iters, column_sum=1.0),  # columns summing to 1
+        # one iteration short
+        lambda logits, num_iters: _log_sinkhorn(logits, num_iters - 1),
     ],
     "ch06.soft_routing": [
         lambda logits: (jax.nn.softmax(logits, 1), jax.nn.softmax(logits.reshape(logits.shape[0], -1), -1)
                         .reshape(logits.shape)),  # dispatch over experts, not tokens
         lambda logits: (jax.nn.softmax(logits, 0), jax.nn.softmax(logits, -1)),  # combine within one expert's slots
         lambda logits: (jax.nn.softmax(logits, 0), jax.nn.softmax(logits, 0)),  # both over tokens
+        lambda logits: (_joint(logits), _joint(logits)),  # both over (expert, slot): dispatch per token
+        lambda logits: (_joint(logits), jax.nn.softmax(logits, 0)),  # the two swapped
     ],
     "ch07.prc_loss": [
         lambda probs1, probs2, index, valid: _prc(probs1, probs2, index, valid, pairs="all"),  # |U| counts every patch
         lambda probs1, probs2, index, valid: _prc(probs1, probs2, index, valid, offdiag_norm="E^2"),
         lambda probs1, probs2, index, valid: _prc(probs1, probs2, index, valid, partner="same index"),
+        lambda probs1, probs2, index, valid: _prc(probs1, probs2, index, valid, weights=(5e-2, 5e-3)),  # swapped
+        lambda probs1, probs2, index, valid: _prc(probs1, probs2, index, valid, offdiag="all"),  # diagonal too
     ],
     "ch12.bias_step": [
         lambda bias, load, rate: bias + rate * jnp.sign(load - jnp.mean(load)),  # the wrong way round
         lambda bias, load, rate: bias + rate * (jnp.mean(load) - load),  # proportional, not the sign
         lambda bias, load, rate: bias + rate * jnp.minimum(jnp.sign(jnp.mean(load) - load), 0),  # only lowers
+        lambda bias, load, rate: bias + rate * jnp.sign(jnp.max(load) - load),  # against the busiest, not the mean
+        lambda bias, load, rate: bias + rate * jnp.where(load < jnp.mean(load), 1.0, -1.0),  # a tie moves down
     ],
     "ch12.group_limit": [
         lambda scores, num_groups, top_groups: _group_limit(scores, num_groups, top_groups, best=1),  # best only
         lambda scores, num_groups, top_groups: _group_limit(scores, num_groups, top_groups, best=None),  # sum of all
         # ties towards the higher group
         lambda scores, num_groups, top_groups: _group_limit(scores[:, ::-1], num_groups, top_groups)[:, ::-1],
+        # one group too many
+        lambda scores, num_groups, top_groups: _group_limit(scores, num_groups, min(top_groups + 1, num_groups)),
+        # groups of strided experts (0, G, 2G, ...) instead of consecutive ones
+        lambda scores, num_groups, top_groups: _strided_groups(scores, num_groups, top_groups),
     ],
     "ch13.sort_by_expert": [
         lambda expert, num_experts: (jnp.argsort(-expert, stable=True)[::-1],
                                      jnp.bincount(expert, length=num_experts)),  # unstable within an expert
         lambda expert, num_experts: (jnp.argsort(expert, stable=True), jnp.bincount(expert)),  # misses empty experts
         lambda expert, num_experts: (jnp.sort(expert), jnp.bincount(expert, length=num_experts)),  # values, not order
+        lambda expert, num_experts: (jnp.argsort(-expert, stable=True),
+                                     jnp.bincount(expert, length=num_experts)),  # the highest expert first
+        lambda expert, num_experts: (jnp.argsort(expert, stable=True),
+                                     jnp.cumsum(jnp.bincount(expert, length=num_experts))),  # offsets, not sizes
     ],
 }
 
 
-def _prc(probs1, probs2, index, valid, *, pairs="valid", offdiag_norm="E(E-1)", partner="index"):
+def _prc(probs1, probs2, index, valid, *, pairs="valid", offdiag_norm="E(E-1)", partner="index",
+         weights=(5e-3, 5e-2), offdiag="off"):
     """Paper 004's loss with one typical mistake."""
     e = probs1.shape[-1]
     other = jnp.take_along_axis(probs2, index[..., None], 1) if partner == "index" else probs2[:, :probs1.shape[1]]
@@ -127,8 +170,9 @@ def _prc(probs1, probs2, index, valid, *, pairs="valid", offdiag_norm="E(E-1)", 
     weight = valid[..., None].astype(probs1.dtype)
     count = jnp.maximum(valid.sum(), 1) if pairs == "valid" else valid.size
     s = e / count * jnp.einsum("bpi,bpj->ij", probs1 * weight, other)
-    off = jnp.sum((s * (1 - jnp.eye(e))) ** 2) / (max(e * (e - 1), 1) if offdiag_norm == "E(E-1)" else e * e)
-    return 5e-3 / e * jnp.sum((1 - jnp.diag(s)) ** 2) + 5e-2 * off
+    mask = (1 - jnp.eye(e)) if offdiag == "off" else jnp.ones((e, e))
+    off = jnp.sum((s * mask) ** 2) / (max(e * (e - 1), 1) if offdiag_norm == "E(E-1)" else e * e)
+    return weights[0] / e * jnp.sum((1 - jnp.diag(s)) ** 2) + weights[1] * off
 
 
 def _group_limit(scores, num_groups, top_groups, best=2):
@@ -138,6 +182,31 @@ def _group_limit(scores, num_groups, top_groups, best=2):
     score = grouped.sum(-1) if best is None else jax.lax.top_k(grouped, min(best, size))[0].sum(-1)
     keep = jax.nn.one_hot(jax.lax.top_k(score, top_groups)[1], num_groups).sum(-2) > 0
     return jnp.repeat(keep, size, -1)
+
+
+def _strided_groups(scores, num_groups, top_groups):
+    t, e = scores.shape
+    order = jnp.arange(e).reshape(e // num_groups, num_groups).T.reshape(-1)  # group g: experts g, g + G, ...
+    keep = _group_limit(jnp.asarray(scores)[:, order], num_groups, top_groups)
+    return keep[:, jnp.argsort(order)]
+
+
+def _joint(logits):
+    """A softmax over all (expert, slot) pairs of each token."""
+    t = logits.shape[0]
+    return jax.nn.softmax(logits.reshape(t, -1), -1).reshape(logits.shape)
+
+
+def _log_sinkhorn(logits, num_iters, column_sum=None):
+    """Log-domain Sinkhorn, rows then columns, with the columns' target sum (default T/E)."""
+    logits = jnp.asarray(logits)
+    num_tokens, num_experts = logits.shape
+    target = jnp.log(num_tokens / num_experts if column_sum is None else column_sum)
+    f, g = jnp.zeros(num_tokens), jnp.zeros(num_experts)
+    for _ in range(max(num_iters, 0)):
+        f = -jax.nn.logsumexp(logits + g[None], 1)
+        g = target - jax.nn.logsumexp(logits + f[:, None], 0)
+    return jnp.exp(logits + f[:, None] + g[None])
 
 
 def _picked(probs, k):
@@ -173,8 +242,8 @@ def _token_by_token(scores, capacity, k):
 
 
 @pytest.mark.parametrize("name", sorted(MUTANTS))
-def test_every_checker_rejects_three_typical_wrong_solutions(name):
-    assert len(MUTANTS[name]) >= 3
+def test_every_checker_rejects_five_typical_wrong_solutions(name):
+    assert len(MUTANTS[name]) >= 5
     for i, mutant in enumerate(MUTANTS[name]):
         result = labs.check(name, mutant)
         assert not result.passed, f"{name}: mutant {i} passed"
@@ -186,40 +255,65 @@ def test_failures_are_reported_clearly():
         raise IndexError("off the end")
 
     result = labs.check("ch04.expert_choice", raises)
-    assert not result.passed and "raised IndexError: off the end" in result.message and "line" in result.message
+    assert not result.passed and "raised IndexError: off the end" in result.message
+    assert "test_labs.py, line" in result.message  # the student's file and line, not the grader's
 
     def wrong_shape(scores, capacity):
         return jnp.zeros(scores.shape)
 
     assert "has shape" in labs.check("ch04.expert_choice", wrong_shape).message
 
-    def not_jittable(scores, capacity):
-        if float(jnp.max(scores)) > 2:  # Python control flow on an array value
-            return None
-        return routing.expert_choice(jnp.asarray(scores), capacity=capacity).dispatch
+    def own_names(s, c):  # right, but not the stub's parameter names: the grader calls by keyword
+        return routing.expert_choice(jnp.asarray(s), capacity=c).dispatch
 
-    assert "not jit-compatible" in labs.check("ch04.expert_choice", not_jittable).message
+    assert "the stub's parameter names: def expert_choice(scores, capacity)" in labs.check(
+        "ch04.expert_choice", own_names).message
 
     def stub(scores, capacity):
         raise NotImplementedError
 
     assert labs.check("ch04.expert_choice", stub).message.startswith("not implemented")
-    assert "property broken: an expert holds more than C tokens" in labs.check(
-        "ch02.token_choice", MUTANTS["ch02.token_choice"][0]).message
+    report = labs.check("ch02.token_choice", MUTANTS["ch02.token_choice"][0]).message
+    assert "property broken: an expert holds more than C tokens" in report
+    assert "first difference: token " in report and ", expert " in report and ", slot " in report
+    assert "expected 0, got 1" in report or "expected 1, got 0" in report
+    assert len(report.splitlines()) <= 20, report  # a few lines, not whole tensors
+    assert "first difference: output 1 (2 outputs), token " in labs.check(
+        "ch06.soft_routing", MUTANTS["ch06.soft_routing"][1]).message
     with pytest.raises(ValueError, match="Unknown lab"):
         labs.check("ch99.nothing", stub)
     assert labs.LABS["ch04.expert_choice"].stub().startswith("def expert_choice(scores, capacity):")
+
+
+def test_plain_numpy_is_accepted_with_a_note():
+    """Chapter 2 prints Algorithm 1 as loops; a student who writes it so with NumPy passes, with a
+    note that it does not run under jax.jit (the verdict is the eager result's)."""
+    def token_choice(scores, capacity, k):
+        return np.asarray(routing.token_choice_loop(np.asarray(scores), capacity=capacity, k=k)[0])
+
+    result = labs.check("ch02.token_choice", token_choice)
+    assert result.passed and "does not run under jax.jit" in result.message, str(result)
+
+
+def test_capacity_rejects_ceil_and_draws_cases_from_the_seed():
+    ceil = lambda num_tokens, num_experts, factor: max(1, math.ceil(factor * num_tokens / num_experts))  # noqa: E731
+    for seed in range(5):
+        assert not labs.check("ch01.capacity", ceil, seed=seed).passed
+    cases = [labs._cases(labs.LABS["ch01.capacity"], seed) for seed in (0, 1)]
+    assert [c[0] for c in cases[0]] != [c[0] for c in cases[1]]  # the drawn cases follow the seed
+    fractions = {round(k["factor"] * k["num_tokens"] / k["num_experts"] % 1, 2) for _, k in cases[0]}
+    assert {0.25, 0.5, 0.75} <= fractions
 
 
 def test_the_grader_command(tmp_path):
     student = tmp_path / "student.py"
     student.write_text(
         "import math\n"
-        "from mini_moe import routing\n"
+        "import jax.numpy as jnp\n"
         "def capacity(num_tokens, num_experts, factor):\n"
         "    return max(1, int(math.floor(factor * num_tokens / num_experts + 0.5)))\n"
         "def expert_choice(scores, capacity):\n"
-        "    return routing.expert_choice(scores[::-1], capacity=capacity).dispatch[::-1]\n"
+        "    return jnp.zeros(scores.shape + (capacity,))\n"
         "def z_loss(logits):\n"
         "    raise NotImplementedError\n")
     cli = [sys.executable, "-m", "mini_moe", "labs", "check", str(student)]
@@ -228,12 +322,104 @@ def test_the_grader_command(tmp_path):
     assert "ch01.capacity            passed" in proc.stdout and "ch04.expert_choice       FAILED" in proc.stdout
     assert "not implemented" in proc.stdout and "Traceback" not in proc.stdout + proc.stderr
     report = json.loads(subprocess.run(cli + ["--json"], capture_output=True, text=True).stdout)
-    assert {r["lab"]: r["passed"] for r in report} == {"ch01.capacity": True, "ch04.expert_choice": False,
-                                                       "ch02.z_loss": False}
+    assert {r["lab"]: r["status"] for r in report} == {"ch01.capacity": "passed", "ch04.expert_choice": "failed",
+                                                       "ch02.z_loss": "not implemented"}
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
     proc = subprocess.run(cli[:-1] + [str(empty)], capture_output=True, text=True)
     assert proc.returncode == 2 and "defines no lab function" in proc.stderr and "Traceback" not in proc.stderr
+
+
+#: Submissions that try to reach a verdict other than by their outputs (issue 50). None may pass.
+ADVERSARIES = {
+    "patches_the_grader": ("import mini_moe.labs as grader\n"
+                           "grader.check = lambda *a, **k: grader.Result('x', True, 1, '')\n"
+                           "def capacity(num_tokens, num_experts, factor):\n    return 0\n", "refused"),
+    "imports_the_reference_by_a_name_it_builds": (
+        "def capacity(num_tokens, num_experts, factor):\n"
+        "    routing = __import__('mini' + '_moe.routing', fromlist=['capacity'])\n"
+        "    return routing.capacity(num_tokens, num_experts, factor)\n", "refused"),
+    "exits_at_import": ("import sys\nsys.exit(0)\n"
+                        "def capacity(num_tokens, num_experts, factor):\n    return 0\n", "failed"),
+    "exits_hard_at_import": ("import os\nos._exit(0)\n"
+                             "def capacity(num_tokens, num_experts, factor):\n    return 0\n", "failed"),
+    "exits_in_the_lab": ("import sys\ndef capacity(num_tokens, num_experts, factor):\n    sys.exit(0)\n", "failed"),
+    "exits_hard_in_the_lab": ("import os\ndef capacity(num_tokens, num_experts, factor):\n    os._exit(0)\n",
+                              "failed"),
+    "loops_forever": ("def capacity(num_tokens, num_experts, factor):\n    while True:\n        pass\n",
+                      "timed out"),
+    "prints_a_verdict": ("import json\nprint(json.dumps([{'lab': 'ch01.capacity', 'passed': True}]))\n"
+                         "def capacity(num_tokens, num_experts, factor):\n"
+                         "    print(json.dumps({'passed': True}))\n    return 0\n", "failed"),
+    "mutates_its_inputs": ("import numpy as np\ndef z_loss(logits):\n    logits[...] = 0.0\n"
+                           "    return float(np.log(logits.shape[-1]) ** 2)  # right for the zeros it wrote\n",
+                           "failed"),
+    "allocates_too_much": ("import numpy as np\ndef capacity(num_tokens, num_experts, factor):\n"
+                           "    return int(np.ones(1 << 34).sum())\n", "failed"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIES))
+def test_no_adversarial_submission_passes(name, tmp_path):
+    source, expected = ADVERSARIES[name]
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    [result] = labs.check_file(path, timeout=10, memory_gib=2)
+    assert not result.passed and labs.status(result) == expected, str(result)
+    if expected == "refused":
+        assert "uses mini_moe" in result.message
+
+
+def test_the_submissions_process_cannot_import_the_library(tmp_path):
+    """Even when the grader's own check of the source is fooled (a name built at run time), the
+    process that runs the student's code has no mini_moe on its path."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    path = tmp_path / "sneaky.py"
+    path.write_text("def capacity(num_tokens, num_experts, factor):\n"
+                    "    import importlib\n"
+                    "    return importlib.import_module(''.join(['mini', '_moe'])).routing.capacity(num_tokens, "
+                    "num_experts, factor)\n")
+    submission = labs.read_submission(path, folder)
+    assert not submission.uses_library  # the static check misses it ...
+    result = labs.run_sandboxed("ch01.capacity", submission, folder, timeout=30)
+    assert labs.status(result) == "refused", str(result)  # ... the process cannot import it
+
+
+def test_a_class_is_graded_into_a_gradebook(tmp_path):
+    """``labs grade``: .py files and filled-in labs pages (.ipynb, one per sub-folder), one row per
+    student and lab, a file that cannot be graded as one row, and --seed passed on."""
+    import csv
+
+    import nbformat
+
+    import ci_scripts
+
+    folder = tmp_path / "class"
+    folder.mkdir()
+    (folder / "ann.py").write_text("import math\ndef capacity(num_tokens, num_experts, factor):\n"
+                                   "    return max(1, math.floor(factor * num_tokens / num_experts + 0.5))\n")
+    (folder / "ben.py").write_text("def capacity(num_tokens, num_experts, factor:\n")  # a syntax error
+    page = nbformat.read(str(ci_scripts.CI.parent / "book" / "14_labs.ipynb"), as_version=4)
+    for cell in page.cells:  # Cleo fills in the capacity lab on the page itself
+        if cell.cell_type == "code" and cell.source.startswith("def capacity("):
+            cell.source = cell.source.replace("raise NotImplementedError",
+                                              "return max(1, math.floor(factor * num_tokens / num_experts + 0.5))")
+    (folder / "cleo").mkdir()
+    nbformat.write(page, str(folder / "cleo" / "labs.ipynb"))
+    out = tmp_path / "grades.csv"
+    proc = subprocess.run([sys.executable, "-m", "mini_moe", "labs", "grade", str(folder), "--out", str(out),
+                           "--seed", "3", "--timeout", "60"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = list(csv.DictReader(out.open()))
+    by = {(r["student"], r["lab"]): r for r in rows}
+    assert by["ann", "ch01.capacity"]["status"] == "passed"
+    assert by["ben", ""]["status"] == "error" and "SyntaxError" in by["ben", ""]["message"]
+    cleo = {lab: r["status"] for (student, lab), r in by.items() if student == "cleo"}
+    assert cleo.pop("ch01.capacity") == "passed" and set(cleo) == set(labs.LABS) - {"ch01.capacity"}
+    assert set(cleo.values()) == {"not implemented"}, cleo
+    assert "cleo                     1 of 12 labs passed" in proc.stdout
+    assert all(float(r["seconds"]) > 0 for r in rows if r["lab"])
 
 
 def test_the_labs_page_holds_every_stub_as_the_registry_writes_it():
@@ -303,3 +489,45 @@ def test_every_pointer_to_the_book_resolves():
     page = (book / "14_labs.md").read_text()
     for lab in labs.LABS.values():
         assert f"Where to look: {lab.hint}\n" in page, f"the labs page's hint for {lab.name} is not the checker's"
+
+
+WRONG_EXPERT_CHOICE = ("import jax.numpy as jnp\n"
+                       "def expert_choice(scores, capacity):\n"
+                       "    return jnp.zeros(scores.shape + (capacity,))\n")
+
+
+def test_the_nbgrader_recipe_shows_the_report():
+    """Page 15's nbgrader test cell, run in a kernel after a wrong answer: the failure the student
+    sees carries the checker's report, not a bare AssertionError."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell(WRONG_EXPERT_CHOICE),
+        nbformat.v4.new_code_cell('from mini_moe import labs\n'
+                                  'result = labs.check("ch04.expert_choice", expert_choice)\n'
+                                  'assert result.passed, result'),
+    ])
+    NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True).execute()
+    [error] = [o for o in nb.cells[1].outputs if o.output_type == "error"]
+    assert error.ename == "AssertionError" and "ch04.expert_choice: FAILED" in error.evalue
+    assert "first difference:" in error.evalue and "hint: chapter 4" in error.evalue
+
+
+def test_the_otter_recipe_shows_the_report():
+    """Page 15's otter-grader test: its doctest, run with Python's doctest against a wrong and a
+    right answer; the wrong one's failure shows the report as what the test got."""
+    import doctest
+
+    code = ">>> print(labs.check('ch04.expert_choice', expert_choice).message or 'passed')\npassed\n"
+    for answer, passes in ((WRONG_EXPERT_CHOICE, False),
+                           ("from mini_moe import routing\ndef expert_choice(scores, capacity):\n"
+                            "    return routing.expert_choice(scores, capacity=capacity).dispatch\n", True)):
+        namespace = {"labs": labs}
+        exec(answer, namespace)
+        test = doctest.DocTestParser().get_doctest(code, namespace, "ch04.expert_choice", None, 0)
+        out = []
+        result = doctest.DocTestRunner().run(test, out=out.append)
+        assert (result.failed == 0) == passes
+        if not passes:
+            assert "Got:" in "".join(out) and "first difference:" in "".join(out)
