@@ -10,6 +10,9 @@
   corresponding patches, and how often their top-1 / top-2 / unordered top-2 experts match.
 * :func:`mechanisms` — what decides accuracy between routers: dropped and unprocessed tokens,
   experts per token, load balance, batch dependence and routing stability, per MoE layer.
+* :func:`routing_record` and :func:`routing_summary` — one pass's per-image routing record and
+  what it says per MoE layer: the one home of the metrics :func:`mechanisms` and
+  :mod:`mini_moe.diagnose` report.
 * :func:`perturbation_path` — paper 004 Figure 1: an image moved along a path of growing noise,
   its class probabilities and the steps where its routing changes.
 * :func:`group_routing` — the routing tensors ``[T, E, C]`` of one routing group of a trained model.
@@ -182,22 +185,23 @@ def router_report(model, images: np.ndarray, *, batch_size: int = 256) -> list[d
 
     Returns a list (one dict per MoE layer) with ``tokens_per_expert [E]`` (per group),
     ``dropped``, ``experts_per_token``, ``buffer_fill`` and ``confidence`` (mean top-1,
-    top-2 and the sum of the rest of each patch's expert distribution).
+    top-2 and the rest of each patch's expert distribution). Each batch's metrics count with
+    the number of real images in it, so the last batch's padding copies do not tip the mean.
     """
-    sums, probs, batches = None, None, 0
+    sums, probs, total = None, None, 0
     with eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             out = _forward(model, batch)
-            metrics = [{k: np.asarray(v, np.float64) for k, v in m.items()} for m in out.metrics]
+            metrics = [{k: n * np.asarray(v, np.float64) for k, v in m.items()} for m in out.metrics]
             sums = metrics if sums is None else [{k: s[k] + m[k] for k in s} for s, m in zip(sums, metrics)]
             layer_probs = [np.asarray(p[:n]) for p in out.probs]
             probs = layer_probs if probs is None else [np.concatenate([a, b]) for a, b in zip(probs, layer_probs)]
-            batches += 1
+            total += n
     if sums is None:
         return []
     report = []
     for layer_sums, layer_probs in zip(sums, probs):
-        entry = {k: (v / batches).tolist() if np.ndim(v) else float(v / batches) for k, v in layer_sums.items()}
+        entry = {k: (v / total).tolist() if np.ndim(v) else float(v / total) for k, v in layer_sums.items()}
         entry["confidence"] = _confidence(layer_probs)
         report.append(entry)
     return report
@@ -209,24 +213,107 @@ def _cv(counts: np.ndarray) -> float:
     return float(counts.std() / mean) if mean > 0 else 0.0
 
 
-def predictions_and_routing(model, images: np.ndarray, *, batch_size: int = 400):
-    """Predicted classes ``[N]`` and, per MoE layer, ``(hits [N, P, E], top1 [N, P])``: whether
-    expert e processes patch p of image n (any slot, any weight > 0), and the expert with the
-    largest router probability (the router's own choice, before any capacity)."""
+def _picks_made(router, probs: np.ndarray) -> np.ndarray | None:
+    """``int [..., P]``: the picks a Token Choice router made per token, before any capacity cut,
+    from its distributions ``probs [..., P, E]``; None for other allocations (they make no picks
+    per token). ``k`` per token, or with ``min_score`` (ReLU routing: ``k = E``, a pick per
+    positive gate) the experts with a positive share, where a token with no positive gate made
+    none (:class:`~mini_moe.routers.ReluGates` gives it the uniform distribution)."""
+    allocation = router.allocation
+    if not isinstance(allocation, routers_lib.TokenChoice):
+        return None
+    if allocation.min_score is None:
+        return np.full(probs.shape[:-1], allocation.k)
+    if not isinstance(router.affinity, routers_lib.ReluGates):
+        raise InputError(f"picks with min_score need ReLU gates, not {type(router.affinity).__name__}.")
+    num_experts = probs.shape[-1]
+    made = np.minimum((probs > 0).sum(-1), allocation.k)
+    return np.where(np.all(probs == np.float32(1 / num_experts), -1), 0, made)
+
+
+def routing_record(model, images: np.ndarray, *, batch_size: int = 400):
+    """One pass of ``model`` (eval mode, in its routing groups) over ``images [N, H, W, C]``: the
+    per-image record that :func:`mechanisms` and :mod:`mini_moe.diagnose` measure. The last
+    batch is padded with copies of its images (:func:`_padded_batches`); the copies are routed
+    with the others but left out of the record.
+
+    Returns ``(preds [N], layers)``, one dict per MoE layer:
+
+    * ``hits`` ``bool [N, P, E]``: whether expert e processes patch p of image n (any slot,
+      any weight > 0);
+    * ``top1`` ``int [N, P]``: the expert with the largest router probability (the router's own
+      choice, before any capacity);
+    * ``picks`` ``int [N, P]`` or None: the picks a Token Choice router made (:func:`_picks_made`);
+    * ``entropy`` ``[N, P]``: the entropy of each patch's distribution over the experts, in nats;
+    * ``slot_sharpness`` ``[N]`` or None: Soft MoE only, per image the mean over its slots of
+      the largest dispatch weight (1 when each slot takes a single token);
+    * ``scalars``: the router's scalar metrics (e.g. ``z_loss``, ``bias_spread``), each batch's
+      mean counted with the number of real images in it.
+    """
     cfg = model.cfg
-    preds, layers = [], None
+    routers = [block.mlp.router for block in model.blocks if block.use_moe]
+    preds, parts, total = [], [], 0
     with eval_mode(model):
         for batch, n in _padded_batches(model, images, batch_size):
             out = _forward(model, batch, return_routing=True)
             preds.append(np.asarray(out.logits[:n]).argmax(-1))
             per_layer = []
-            for rt, probs in zip(out.routings, out.probs):
-                hits = (np.asarray(rt.dispatch) > 0).any(-1)  # [groups, T, E]
-                hits = hits.reshape(-1, cfg.num_patches, cfg.routed_experts)[:n]
-                per_layer.append((hits, np.asarray(probs[:n]).argmax(-1)))
-            layers = [[x] for x in per_layer] if layers is None else [acc + [x] for acc, x in zip(layers, per_layer)]
-    layers = [(np.concatenate([h for h, _ in acc]), np.concatenate([t for _, t in acc])) for acc in (layers or [])]
+            for router, rt, probs, metrics in zip(routers, out.routings, out.probs, out.metrics):
+                probs = np.asarray(probs[:n])  # [n, P, E]
+                dispatch = np.asarray(rt.dispatch)  # [groups, T, E, C]
+                hits = (dispatch > 0).any(-1).reshape(-1, cfg.num_patches, cfg.routed_experts)[:n]
+                # Soft MoE: a group is an image, each slot's weights sum to 1 over its tokens
+                sharp = None if rt.sparse else dispatch[:n].max(axis=1).mean(axis=(1, 2))
+                per_layer.append({
+                    "hits": hits, "top1": probs.argmax(-1), "picks": _picks_made(router, probs),
+                    "entropy": -np.sum(probs * np.log(np.clip(probs, 1e-12, None)), -1), "slot_sharpness": sharp,
+                    "scalars": {k: n * float(v) for k, v in metrics.items() if np.ndim(v) == 0}})
+            parts.append(per_layer)
+            total += n
+    layers = []
+    for acc in zip(*parts):
+        layer = {key: None if acc[0][key] is None else np.concatenate([part[key] for part in acc])
+                 for key in ("hits", "top1", "picks", "entropy", "slot_sharpness")}
+        layer["scalars"] = {k: sum(part["scalars"][k] for part in acc) / total for k in acc[0]["scalars"]}
+        layers.append(layer)
     return np.concatenate(preds), layers
+
+
+def predictions_and_routing(model, images: np.ndarray, *, batch_size: int = 400):
+    """Predicted classes ``[N]`` and, per MoE layer, ``(hits [N, P, E], top1 [N, P])``: whether
+    expert e processes patch p of image n (any slot, any weight > 0), and the expert with the
+    largest router probability (the router's own choice, before any capacity). See
+    :func:`routing_record` for the rest of what one pass records."""
+    preds, layers = routing_record(model, images, batch_size=batch_size)
+    return preds, [(layer["hits"], layer["top1"]) for layer in layers]
+
+
+def routing_summary(layer: dict) -> dict:
+    """What one MoE layer's :func:`routing_record` entry says about its routing, over all
+    patches of all images:
+
+    * ``unprocessed``: the fraction of tokens that no expert processes (their MoE output is 0);
+    * ``dropped_routes``: Token Choice only (else None): the fraction of the picks the router
+      made that found no room, ``1 - sum(experts per token) / sum(picks made)`` (0 when no pick
+      was made). A ReLU router (ReMoE) makes a pick per positive gate, not ``k = E``;
+    * ``experts_per_token``: the mean number of experts that process a token;
+    * ``load_cv``, ``load_max_over_mean``: how many tokens pick each expert as their top-1 (the
+      router's own balance, before capacity), as the coefficient of variation over experts and
+      as the largest expert's count over the mean;
+    * ``processed_cv``: the coefficient of variation of the tokens each expert processes.
+    """
+    hits, picks = layer["hits"], layer["picks"]
+    per_token = hits.sum(-1)
+    load = np.bincount(layer["top1"].ravel(), minlength=hits.shape[-1]).astype(float)
+    made = None if picks is None else int(picks.sum())
+    return {
+        "unprocessed": float(np.mean(per_token == 0)),
+        "dropped_routes": None if made is None else (float(1 - per_token.sum() / made) if made else 0.0),
+        "experts_per_token": float(per_token.mean()),
+        "load_cv": _cv(load),
+        "load_max_over_mean": float(load.max() / load.mean()) if load.sum() else 0.0,
+        "processed_cv": _cv(hits.sum((0, 1)).astype(float)),
+    }
 
 
 def perturbation_path(model, image: np.ndarray, companions: np.ndarray, direction: np.ndarray,
@@ -404,8 +491,8 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
     * per layer, over all patches of all images:
 
       - ``unprocessed``: fraction of tokens that no expert processes (their MoE output is 0);
-      - ``dropped_routes``: Token Choice only (else None): fraction of the ``k`` experts each
-        token asked for that had no room for it, ``1 - experts_per_token / k``;
+      - ``dropped_routes``: Token Choice only (else None): fraction of the picks the router made
+        that found no room, ``1 - experts_per_token / k`` at a fixed k (ReMoE: per positive gate);
       - ``experts_per_token``: mean number of experts that process a token (Soft MoE: every
         expert sees every token with some weight, so E);
       - ``load_cv``: coefficient of variation over experts of how many tokens pick each expert
@@ -416,26 +503,17 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
         ordered top-2 experts of corresponding patches in two augmented views
         (:func:`routing_stability`, on the first ``stability_images`` images).
     """
-    cfg = model.cfg
-    preds, layers = predictions_and_routing(model, images, batch_size=batch_size)
+    preds, layers = routing_record(model, images, batch_size=batch_size)
     order = np.random.default_rng(seed).permutation(len(images))
     shuffled = np.empty_like(preds)
-    shuffled[order] = predictions_and_routing(model, images[order], batch_size=batch_size)[0]
+    shuffled[order] = routing_record(model, images[order], batch_size=batch_size)[0]
     stability = routing_stability(model, images[:stability_images], seed=seed) if layers else []
-    routers = [block.mlp.router for block in model.blocks if block.use_moe]
+    keys = ("unprocessed", "dropped_routes", "experts_per_token", "load_cv", "processed_cv")
     out = []
-    for (hits, top1), router, stable in zip(layers, routers, stability):
-        per_token = hits.sum(-1)
-        k = getattr(router.allocation, "k", None)  # Token Choice: k experts per token
-        out.append({
-            "unprocessed": float(np.mean(per_token == 0)),
-            "dropped_routes": None if k is None else float(1 - per_token.mean() / k),
-            "experts_per_token": float(per_token.mean()),
-            "load_cv": _cv(np.bincount(top1.ravel(), minlength=cfg.routed_experts).astype(float)),
-            "processed_cv": _cv(hits.sum((0, 1)).astype(float)),
-            "stability_top1": float(stable["top1"]),
-            "stability_top2": None if stable["top2"] is None else float(stable["top2"]),
-        })
+    for layer, stable in zip(layers, stability):
+        summary = routing_summary(layer)
+        out.append({**{k: summary[k] for k in keys}, "stability_top1": float(stable["top1"]),
+                    "stability_top2": None if stable["top2"] is None else float(stable["top2"])})
     return {"batch_dependence": float(np.mean(preds != shuffled)), "layers": out}
 
 
