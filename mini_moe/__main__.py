@@ -170,20 +170,21 @@ def _add_diagnose(sub):
                        description="Measure, per MoE layer of a folder written by 'train', the load balance, "
                        "dropped picks and tokens, experts per token, router entropy and logit size, routing "
                        "stability against the previous checkpoint and the batch dependence of the predictions; "
-                       "each with a verdict and a hint (mini_moe.diagnose).",
+                       "each against its router family's threshold, beside the range of the book's reference runs, "
+                       "with a hint for each warning; weights that are not finite are a verdict of their own. A "
+                       "damaged run folder is a one-line error naming the file (mini_moe.diagnose).",
                        **_examples("python -m mini_moe diagnose runs/patch_vote-softmax_token_choice-s0",
                                    "python -m mini_moe diagnose runs/my-run --json",
                                    "python -m mini_moe diagnose runs/my-run --plot health.png"))
     p.add_argument("run", help="a folder written by 'train'")
     p.add_argument("--images", type=int, default=2000, help="test images to measure on")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as one line of standard JSON (NaN and infinity as null, listed in non_finite)")
     p.add_argument("--plot", metavar="FILE", help="also write a one-page PNG dashboard")
     p.set_defaults(func=_diagnose)
 
 
 def _diagnose(args):
-    import dataclasses
-
     from mini_moe import diagnose
 
     if args.images < 1:
@@ -191,10 +192,7 @@ def _diagnose(args):
     report = diagnose.diagnose_run(args.run, images=args.images)
     if args.plot:
         diagnose.plot_report(report).savefig(args.plot, dpi=110)
-    if args.json:
-        print(json.dumps({**report, "findings": [dataclasses.asdict(f) for f in report["findings"]]}))
-    else:
-        print(diagnose.format_report(report))
+    print(diagnose.to_json(report) if args.json else diagnose.format_report(report))
 
 
 def _add_labs(sub):
