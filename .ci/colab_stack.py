@@ -143,7 +143,7 @@ def main() -> None:
           "and left the rest of Colab's packages as they were", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         where = sh(PY, "-c", "import mini_moe; print(mini_moe.__file__)", capture=True, cwd=tmp).strip()
-        if Path(where).resolve().is_relative_to(ROOT.resolve()):
+        if Path(where).resolve().is_relative_to((ROOT / "mini_moe").resolve()):  # an editable install's
             raise SystemExit(f"colab-stack: the Colab venv imports mini_moe from the checkout ({where}), "
                              "not from what the install cell installed")
         print(f"colab-stack: mini_moe imported from {where}", flush=True)
