@@ -155,7 +155,7 @@ def thresholds(model) -> dict:
       Expert Choice and Soft MoE balance by construction, a ReLU router has no top-1 routing;
     * ``dropped_tokens``: capacity-limited Token Choice, fixed (a dropped token wanted an
       expert); Expert Choice leaves tokens unpicked by design, so its threshold starts from the
-      share its capacity forces (:func:`_forced_unpicked`); none where nothing can drop, nor for
+      share its capacity forces (``_forced_unpicked``); none where nothing can drop, nor for
       a ReLU router, whose tokens with no positive gate chose no expert;
     * ``dropped_picks``: a capacity-limited ReLU router instead (the picks its buffers refused);
     * ``batch_dependence``: capacity-limited models; :data:`NO_DROP_BATCH_DEPENDENCE` for a model

@@ -234,7 +234,7 @@ def _picks_made(router, probs: np.ndarray) -> np.ndarray | None:
 def routing_record(model, images: np.ndarray, *, batch_size: int = 400):
     """One pass of ``model`` (eval mode, in its routing groups) over ``images [N, H, W, C]``: the
     per-image record that :func:`mechanisms` and :mod:`mini_moe.diagnose` measure. The last
-    batch is padded with copies of its images (:func:`_padded_batches`); the copies are routed
+    batch is padded with copies of its images (``_padded_batches``); the copies are routed
     with the others but left out of the record.
 
     Returns ``(preds [N], layers)``, one dict per MoE layer:
@@ -243,7 +243,7 @@ def routing_record(model, images: np.ndarray, *, batch_size: int = 400):
       any weight > 0);
     * ``top1`` ``int [N, P]``: the expert with the largest router probability (the router's own
       choice, before any capacity);
-    * ``picks`` ``int [N, P]`` or None: the picks a Token Choice router made (:func:`_picks_made`);
+    * ``picks`` ``int [N, P]`` or None: the picks a Token Choice router made (``_picks_made``);
     * ``entropy`` ``[N, P]``: the entropy of each patch's distribution over the experts, in nats;
     * ``slot_sharpness`` ``[N]`` or None: Soft MoE only, per image the mean over its slots of
       the largest dispatch weight (1 when each slot takes a single token);
