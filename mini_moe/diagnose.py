@@ -230,7 +230,8 @@ def _hint(model, metric: str, value: float, row: dict) -> str:
         return f"{value:.0%} of tokens reach no expert" + _fixes(model, "drops")
     if metric == "dropped_picks":
         return (f"{value:.0%} of the picks the ReLU router made find a full buffer; raise the capacity factor "
-                "(router option capacity_factor), or use the dropless path (moe_path='dropless') ReMoE is meant for")
+                "(router option capacity_factor), or use the dropless path (moe_path='dropless') that ReMoE is "
+                "meant for")
     if metric == "batch_dependence" and not _capacity_limited(model):
         return (f"{value:.1%} of test predictions change when the test images are regrouped, although this model "
                 "drops nothing and should not depend on its group: something mixes the images of a batch")
@@ -364,7 +365,8 @@ def _references(name: str, rules: dict) -> dict:
 
 
 def _findings(model, layers, batch_dependence, rules, trained_group_images) -> list[Finding]:
-    """The warnings, root causes first: non-finite weights or metrics end the list."""
+    """The warnings, root causes first: non-finite weights (the only verdict when the routing reads
+    them), then per MoE layer non-finite metrics (which end the layers' checks) or the thresholds."""
     cfg = model.cfg
     bad_weights = _non_finite_weights(model)
     findings = _non_finite_findings(model, bad_weights)
@@ -373,9 +375,10 @@ def _findings(model, layers, batch_dependence, rules, trained_group_images) -> l
     for i, (row, module) in enumerate(zip(layers, _moe_layers(model))):
         broken = sorted(k for k, v in row.items() if v is not None and not np.isfinite(v))
         if broken:
+            z_loss = ", or add the z-loss (router option z_loss=0.1)" if "z_loss" in _options(model) else ""
             findings.append(Finding(i, "non_finite", float(len(broken)), f"non-finite metrics in MoE layer {i} "
                                     f"({', '.join(broken)}) although the weights are finite: the router's logits "
-                                    "overflow; add the z-loss or lower the learning rate"))
+                                    f"overflow; lower the learning rate{z_loss}"))
             break  # the later layers read this one
         warned = set()
         for metric, (direction, threshold) in rules.items():
@@ -407,7 +410,7 @@ def _findings(model, layers, batch_dependence, rules, trained_group_images) -> l
 
 
 def _read_config(run_dir: pathlib.Path):
-    """The run's :class:`~mini_moe.train.TrainConfig`, or an ``InputError`` naming config.json and
+    """The run's :class:`~mini_moe.config.TrainConfig`, or an ``InputError`` naming config.json and
     what is wrong with it: unreadable, not JSON (truncated), a key missing or unknown, a bad value."""
     from mini_moe import config as config_lib
     from mini_moe import train
