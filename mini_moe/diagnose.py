@@ -6,7 +6,7 @@ router is, how large its logits are, whether it still changes, whether a predict
 the other images of its routing group), gives every measurement a verdict against a threshold
 and a one-line hint for each warning. ``python -m mini_moe diagnose RUN`` runs it on a folder
 written by ``train``, with the run's previous checkpoint for the stability and the run's training
-configuration for the grouping; a damaged folder is a one-line :class:`InputError` naming the file.
+configuration for the grouping; a damaged folder is a one-line :class:`~mini_moe.validate.InputError` naming the file.
 
 The thresholds depend on the router's family (:func:`thresholds`): Expert Choice leaves tokens
 unpicked by design, a dropless layer or Soft MoE cannot make a prediction depend on its group, a
@@ -47,7 +47,7 @@ THRESHOLDS = {
     "slot_sharpness": ("max", 0.9),
 }
 
-#: The batch dependence of a model that drops nothing (Soft MoE, the dropless path): it should be 0.
+#: The most batch dependence allowed to a model that drops nothing (Soft MoE, the dropless path), whose own is 0.
 NO_DROP_BATCH_DEPENDENCE = 0.005
 
 #: What the book's reference runs measure, per router family (:func:`family`): per metric the
@@ -530,7 +530,7 @@ def diagnose_run(run_dir, *, images: int = 2000) -> dict:
     """:func:`diagnose` on a folder written by ``train``: its last checkpoint on the first
     ``images`` test images, the checkpoint before it for ``stability``, and its training
     grouping. Adds ``"run"``, ``"step"``, ``"previous_step"`` and ``"notes"`` (e.g. a previous
-    checkpoint that could not be read). A damaged folder raises :class:`InputError` naming the file."""
+    checkpoint that could not be read). A damaged folder raises :class:`~mini_moe.validate.InputError` naming the file."""
     from mini_moe import train
 
     run_dir = pathlib.Path(run_dir)

@@ -4,8 +4,9 @@ Each :class:`Lab` asks for one function from a chapter's equations. Its referenc
 the library's own function (never a second copy), and :func:`check` compares a student's
 function with it on generated inputs (a fixed seed, so every student sees the same cases) and on
 named edge cases (ties, fewer tokens than experts, capacity 1, every token wanting one expert,
-extreme logits). On a failure it reports the first failing case (named edge cases first, then random sizes), the expected and the actual
-output, the property that broke and a hint that points to the chapter, never the solution::
+extreme logits). On a failure it reports the first failing case (named edge cases first, then
+random sizes), where the output first differs, the property that broke and a hint that points to
+the chapter, never the solution::
 
     from mini_moe import labs
 
