@@ -85,7 +85,17 @@ def margins(row: dict) -> dict:
 
 
 def test_the_reference_ranges_are_what_the_reference_runs_measure():
-    assert diagnose.REFERENCES == reference_ranges()
+    """Equal to the recorded ranges within 0.005: the ranges are rounded to 3 decimals, and another
+    jaxlib or code generation (the floors' run) moves a ReLU router's picks at the margin of its
+    gate, which moved one bound by 0.001 there."""
+    measured = reference_ranges()
+    assert measured.keys() == diagnose.REFERENCES.keys()
+    for family, entry in measured.items():
+        recorded = diagnose.REFERENCES[family]
+        assert entry.keys() == recorded.keys() and entry["runs"] == recorded["runs"], family
+        for metric, bounds in entry.items():
+            if metric != "runs":
+                assert np.allclose(bounds, recorded[metric], rtol=0, atol=0.005), (family, metric, bounds)
 
 
 def test_no_reference_run_warns_and_each_margin_is_positive():
