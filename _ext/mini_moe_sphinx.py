@@ -1,9 +1,11 @@
 """The book's own Sphinx extension (_config.yml: sphinx.local_extensions).
 
-Each page lists every script once. Under Jupyter Book 1 the read phase runs sphinx-thebe's set-up
-twice, so each page received its inline configuration script twice, and the second copy's
-``const THEBE_JS_URL`` declaration raised a SyntaxError in every browser (issue 49). A script that
-appears twice in a page is never wanted, so the page's list keeps each script's first copy.
+Each page lists every script once. Built with Jupyter Book 1, every page listed sphinx-thebe's inline
+configuration script twice (one entry with the file name None, one with "", the same code; we
+think one copy comes from Sphinx's registry and one from the builder, and have not traced it), and
+the second copy's ``const THEBE_JS_URL`` declaration raised a SyntaxError in every browser (issue
+49). A script that appears twice in a page is never wanted, so the page's list keeps each script's
+first copy.
 """
 
 from __future__ import annotations
