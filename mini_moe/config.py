@@ -59,13 +59,15 @@ def dataset_shape(dataset: str) -> dict:
         key = "subtask_vote"
     if key not in _DATASET_SHAPES:
         raise InputError(f"Unknown dataset {dataset!r}; expected one of: {', '.join(_DATASET_SHAPES)} "
-                         "(or patch_vote_v<V>, subtask_vote_d<d>_h<h>).")
+                         "(or patch_vote_v<V>, subtask_vote_d<d>_h<h>_s<s>).")
     return dict(_DATASET_SHAPES[key])
 
 _MODEL_SCALE = {
     "quick": dict(dim=64, depth=4, heads=4, mlp_dim=128, num_experts=8),
     "full": dict(dim=192, depth=8, heads=6, mlp_dim=384, num_experts=16),
 }
+
+SCHEDULES = ("cosine", "constant")  # TrainConfig.schedule
 
 _TRAIN_SCALE = {
     "quick": dict(batch_size=128, steps=1500, learning_rate=2e-3, warmup_steps=100, eval_every=500),
@@ -84,6 +86,9 @@ class TrainConfig:
     steps: int = 1000
     learning_rate: float = 1e-3
     warmup_steps: int = 100
+    # "cosine": linear warmup, then cosine decay to 1 % at `steps`; "constant": linear warmup,
+    # then the learning rate held (every step count is then a budget of the same run).
+    schedule: str = "cosine"
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
     aux_loss_weight: float = 0.01  # weight of the routers' auxiliary losses
@@ -115,6 +120,8 @@ class TrainConfig:
             raise InputError(f"min_delta must be in [0, 1) (accuracy as a fraction), got {self.min_delta!r}.")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise InputError(f"max_seconds must be > 0 (or None: no time limit), got {self.max_seconds!r}.")
+        if self.schedule not in SCHEDULES:
+            raise InputError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise InputError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps!r}.")
         if self.mesh is not None:

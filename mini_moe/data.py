@@ -20,7 +20,7 @@ Datasets (:func:`load`), in the order "works offline first" (DESIGN.md, Section 
   offers, :func:`load` accepts any V >= 10.
 * ``"subtask_vote"`` — 28x28x1, 60000 / 10000, synthetic (:func:`subtask_vote`): a task whose
   right routing is known (every patch belongs to one of 8 sub-tasks, each with its own
-  function). ``"subtask_vote_d<d>_h<h>"`` sets the content dimension and the teachers' width.
+  function). ``"subtask_vote_d<d>_h<h>_s<s>"`` sets the content dimension, the teachers' width and the signatures' norm.
 
 Every :class:`Dataset` holds ``images`` as ``float32 [N, H, W, C]`` in ``[0, 1]`` and
 ``labels`` as ``int32 [N]``.
@@ -163,7 +163,7 @@ def load(name: str, split: str = "train", *, data_dir: str | os.PathLike | None 
     routed = subtask_vote_options(name) if isinstance(name, str) else None
     if name not in DATASETS and vote is None and routed is None:
         raise InputError(f"unknown dataset name {name!r}; expected one of {DATASETS}, "
-                         "'patch_vote_v<V>' (V >= 10: the vocabulary size) or 'subtask_vote_d<d>_h<h>'")
+                         "'patch_vote_v<V>' (V >= 10: the vocabulary size) or 'subtask_vote_d<d>_h<h>_s<s>'")
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r}; expected 'train' or 'test'")
     if vote is not None:
@@ -490,17 +490,20 @@ SUBTASK_VOTE_TASKS = 8  # K sub-tasks (the quick model's E experts)
 SUBTASK_VOTE_CONTENT = 4  # d, the dimension of a patch's content
 SUBTASK_VOTE_TEACHER = 16  # h, the width of each sub-task's teacher MLP
 SUBTASK_VOTE_SEPARATION = 4.0  # the norm of a sub-task's signature, in content standard deviations
-_SUBTASK_VOTE_NAME = re.compile(r"subtask_vote(?:_d([0-9]+))?(?:_h([0-9]+))?")
+_SUBTASK_VOTE_NAME = re.compile(r"subtask_vote(?:_d([0-9]+))?(?:_h([0-9]+))?(?:_s([0-9]+(?:\.[0-9]+)?))?")
 
 
 def subtask_vote_options(name: str) -> dict | None:
     """The :func:`subtask_vote` options a dataset name stands for: ``{}`` for ``"subtask_vote"``,
-    ``{"content": d, "teacher": h}`` (either may be absent) for ``"subtask_vote_d<d>_h<h>"``,
-    ``"subtask_vote_d<d>"`` or ``"subtask_vote_h<h>"``; None for any other name."""
+    ``{"content": d, "teacher": h, "separation": s}`` for ``"subtask_vote_d<d>_h<h>_s<s>"`` (each
+    part optional, in this order; ``s`` may have decimals, e.g. ``_s1.5``); None for any other name."""
     match = _SUBTASK_VOTE_NAME.fullmatch(name)
     if match is None:
         return None
-    return {key: int(text) for key, text in zip(("content", "teacher"), match.groups()) if text is not None}
+    options = {key: int(text) for key, text in zip(("content", "teacher"), match.groups()[:2]) if text is not None}
+    if match.group(3) is not None:
+        options["separation"] = float(match.group(3))
+    return options
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -544,13 +547,15 @@ def _np_gelu(x: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=4)
 def subtask_vote_teacher(content: int = SUBTASK_VOTE_CONTENT, teacher: int = SUBTASK_VOTE_TEACHER,
-                         seed: int = 0) -> SubtaskVoteTeacher:
+                         seed: int = 0, separation: float = SUBTASK_VOTE_SEPARATION) -> SubtaskVoteTeacher:
     """The signatures, content basis and teacher MLPs of :func:`subtask_vote`
-    (:class:`SubtaskVoteTeacher`), the same for every call with these arguments."""
+    (:class:`SubtaskVoteTeacher`), the same for every call with these arguments. ``separation``
+    scales the signatures only: the basis, the teachers and the contents do not depend on it."""
     tasks, pixels = SUBTASK_VOTE_TASKS, PATCH_VOTE_PATCH**2
     content = _check_option("content", content, 1)
     teacher = _check_option("teacher", teacher, 1)
     seed = _check_option("seed", seed, 0)
+    separation = _check_separation(separation)
     if tasks + content > pixels:
         raise InputError(f"subtask_vote: content must be <= {pixels - tasks} (a 7x7 patch holds "
                          f"{tasks} signatures and the content), got {content}.")
@@ -562,14 +567,21 @@ def subtask_vote_teacher(content: int = SUBTASK_VOTE_CONTENT, teacher: int = SUB
     probe = rng.standard_normal((200_000, content))
     f = _np_gelu(probe @ w1 + b1[:, None]) @ w2[..., None]  # [K, n, 1]
     deciles = np.quantile(f[..., 0], np.arange(1, 10) / 10, axis=1).T  # [K, 9]
-    return SubtaskVoteTeacher(signatures=SUBTASK_VOTE_SEPARATION * basis[:tasks],
+    return SubtaskVoteTeacher(signatures=separation * basis[:tasks],
                               content_basis=basis[tasks:tasks + content], w1=w1, b1=b1, w2=w2,
                               deciles=deciles)
 
 
+def _check_separation(separation) -> float:
+    if isinstance(separation, bool) or not isinstance(separation, (int, float, np.number)) or not separation > 0 \
+            or not math.isfinite(separation):
+        raise InputError(f"separation must be a finite number > 0 (the signatures' norm), got {separation!r}.")
+    return float(separation)
+
+
 def subtask_vote(split: str = "train", *, content: int = SUBTASK_VOTE_CONTENT,
                  teacher: int = SUBTASK_VOTE_TEACHER, num_train: int = 60000, num_test: int = 10000,
-                 seed: int = 0) -> Dataset:
+                 seed: int = 0, separation: float = SUBTASK_VOTE_SEPARATION) -> Dataset:
     """A synthetic 10-class image task whose right routing is known: chapter 9's sub-tasks
     in pixels.
 
@@ -605,6 +617,10 @@ def subtask_vote(split: str = "train", *, content: int = SUBTASK_VOTE_CONTENT,
         against the experts' width).
       num_train, num_test: images per split (>= 1).
       seed: the seed of the teacher and of the images (>= 0).
+      separation: the norm of every signature, in content standard deviations (> 0; default 4).
+        Smaller values hide the sub-task in a patch's appearance: the contents, values and
+        labels stay the same, only the signatures shrink, so a random projection of the
+        pixels sorts fewer patches by sub-task (issue 51's pilot calibrates it).
 
     Returns:
       A :class:`Dataset`: ``float32 [N, 28, 28, 1]`` images in ``[0, 1]`` and ``int32 [N]``
@@ -613,27 +629,30 @@ def subtask_vote(split: str = "train", *, content: int = SUBTASK_VOTE_CONTENT,
     if split not in SPLITS:
         raise InputError(f"subtask_vote: unknown split {split!r}; expected 'train' or 'test'")
     counts = {"train": _check_option("num_train", num_train, 1), "test": _check_option("num_test", num_test, 1)}
-    images, labels, _, _ = _subtask_vote_split(content, teacher, counts[split], seed, SPLITS.index(split) + 1)
+    images, labels, _, _ = _subtask_vote_split(content, teacher, counts[split], seed, SPLITS.index(split) + 1,
+                                               _check_separation(separation))
     return Dataset(images=images, labels=labels, num_classes=10, name="subtask_vote", split=split)
 
 
 def subtask_vote_tasks(split: str = "train", *, content: int = SUBTASK_VOTE_CONTENT,
                        teacher: int = SUBTASK_VOTE_TEACHER, num_train: int = 60000, num_test: int = 10000,
-                       seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                       seed: int = 0, separation: float = SUBTASK_VOTE_SEPARATION) -> tuple[np.ndarray, np.ndarray]:
     """The sub-task and the value of every patch of :func:`subtask_vote`'s split with the same
     arguments: ``(tasks int32 [N, 16], values int32 [N, 16])``, patches in row-major grid order."""
     if split not in SPLITS:
         raise InputError(f"subtask_vote: unknown split {split!r}; expected 'train' or 'test'")
     count = {"train": num_train, "test": num_test}[split]
     _check_option("num_" + split, count, 1)
-    _, _, tasks, values = _subtask_vote_split(content, teacher, count, seed, SPLITS.index(split) + 1)
+    _, _, tasks, values = _subtask_vote_split(content, teacher, count, seed, SPLITS.index(split) + 1,
+                                              _check_separation(separation))
     return tasks, values
 
 
 @functools.lru_cache(maxsize=4)
-def _subtask_vote_split(content: int, teacher: int, count: int, seed: int, stream: int):
+def _subtask_vote_split(content: int, teacher: int, count: int, seed: int, stream: int,
+                        separation: float = SUBTASK_VOTE_SEPARATION):
     """``(images, labels, tasks, values)`` of the random stream ``stream`` (1: train, 2: test)."""
-    model = subtask_vote_teacher(content, teacher, seed)
+    model = subtask_vote_teacher(content, teacher, seed, separation)
     rng = np.random.default_rng((seed, stream, content, teacher))
     labels, values = _vote_values(rng, count)
     tasks = rng.integers(0, SUBTASK_VOTE_TASKS, size=values.shape)

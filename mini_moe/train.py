@@ -81,15 +81,27 @@ def weight_decay_mask(params):
 
 
 def make_optimizer(model: VisionMoE, cfg: TrainConfig) -> nnx.Optimizer:
-    """AdamW on a linear-warmup + cosine schedule, with global-norm clipping; weight decay
-    on the weight matrices only (:func:`weight_decay_mask`)."""
-    tx = _transform(cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.weight_decay, cfg.grad_clip)
+    """AdamW on a linear warmup, then cosine decay (or, with ``cfg.schedule="constant"``, a
+    constant rate), with global-norm clipping; weight decay on the weight matrices only
+    (:func:`weight_decay_mask`)."""
+    tx = _transform(cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.weight_decay, cfg.grad_clip, cfg.schedule)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def learning_rate_schedule(learning_rate: float, warmup_steps: int, steps: int, schedule: str = "cosine"):
+    """The learning rate at each step (an optax schedule): linear from 0 to ``learning_rate`` over
+    ``warmup_steps``, then a cosine decay to 1 % of it at ``steps`` (``"cosine"``) or held
+    (``"constant"``: a run evaluated at several steps then gives every one of them as a budget
+    with the same rate, issue 51)."""
+    if schedule == "constant":
+        return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps),
+                                     optax.constant_schedule(learning_rate)], [warmup_steps])
+    return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, steps, end_value=learning_rate * 0.01)
 
 
 @functools.lru_cache(maxsize=64)
 def _transform(learning_rate: float, warmup_steps: int, steps: int, weight_decay: float,
-               grad_clip: float) -> optax.GradientTransformation:
+               grad_clip: float, schedule: str = "cosine") -> optax.GradientTransformation:
     """The optax transformation of :func:`make_optimizer`, one object per set of hyperparameters.
 
     It is stateless (its state lives in the optimizer), so runs may share it, and they should:
@@ -97,9 +109,7 @@ def _transform(learning_rate: float, warmup_steps: int, steps: int, weight_decay
     step by that structure. A new object per run would compile the same step again for every
     run of a study or every resume (measured: 9 s of a 10 s two-layer run on a 2-core EPYC).
     """
-    schedule = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, steps,
-                                                  end_value=learning_rate * 0.01)
-    adamw = optax.adamw(schedule, weight_decay=weight_decay, mask=weight_decay_mask)
+    adamw = optax.adamw(learning_rate_schedule(learning_rate, warmup_steps, steps, schedule), weight_decay=weight_decay, mask=weight_decay_mask)
     return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
 
 

@@ -361,6 +361,34 @@ def test_subtask_vote_is_deterministic_and_names_select_the_teacher():
         data.load("subtask_votes")
 
 
+def test_subtask_vote_separation_shrinks_only_the_signatures():
+    """``separation`` (issue 51) scales the signatures and nothing else: the same contents,
+    values, sub-tasks and labels, and every patch's projection on the signature directions
+    scaled by the ratio of separations."""
+    kw = dict(content=3, teacher=5, num_test=200, seed=4)
+    a, b = data.subtask_vote("test", **kw), data.subtask_vote("test", separation=1.5, **kw)
+    assert np.array_equal(a.labels, b.labels)
+    for left, right in zip(data.subtask_vote_tasks("test", **kw), data.subtask_vote_tasks("test", separation=1.5, **kw)):
+        assert np.array_equal(left, right)
+    wide, narrow = data.subtask_vote_teacher(3, 5, 4), data.subtask_vote_teacher(3, 5, 4, 1.5)
+    np.testing.assert_allclose(narrow.signatures * 4.0 / 1.5, wide.signatures, atol=1e-12)
+    assert np.array_equal(narrow.content_basis, wide.content_basis) and np.array_equal(narrow.w1, wide.w1)
+    directions = wide.signatures / data.SUBTASK_VOTE_SEPARATION  # orthonormal rows
+    tasks, _ = data.subtask_vote_tasks("test", **kw)
+    grid = lambda ds: ds.images[..., 0].reshape(-1, 4, 7, 4, 7).transpose(0, 1, 3, 2, 4).reshape(len(ds), 16, 49)
+    # unclipped pixels are 0.5 + x / 8: the signature part is 8 * (pixels - 0.5) projected
+    for ds, sep in ((a, 4.0), (b, 1.5)):
+        x = 8 * (grid(ds).astype(np.float64) - 0.5)
+        on_own = np.take_along_axis(x @ directions.T, tasks[..., None], axis=-1)[..., 0]
+        unclipped = (np.abs(grid(ds) - 0.5) < 0.49).all(-1)
+        np.testing.assert_allclose(on_own[unclipped], sep, atol=1e-5)
+    assert data.subtask_vote_options("subtask_vote_d4_h16_s1.5") == {"content": 4, "teacher": 16, "separation": 1.5}
+    assert data.subtask_vote_options("subtask_vote_s2") == {"separation": 2.0}
+    assert data.subtask_vote_options("subtask_vote_s-1") is None
+    with pytest.raises(ValueError, match="separation must be a finite number > 0"):
+        data.subtask_vote("test", separation=0.0)
+
+
 def test_subtask_vote_has_patch_votes_configuration():
     from mini_moe import config
 

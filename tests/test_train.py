@@ -665,3 +665,18 @@ def test_a_second_run_of_the_same_configuration_compiles_no_new_training_step(tm
             assert [m for m in messages if m.startswith("Compiling") and "train_step" in m]
     finally:
         logging.getLogger("jax").removeHandler(handler)
+
+
+def test_learning_rate_schedules_warm_up_then_decay_or_hold():
+    """``schedule="cosine"`` ends at 1 % of the rate, ``"constant"`` holds it after the warmup
+    (issue 51's budgets are evaluations of one constant-rate run); both warm up linearly."""
+    import numpy as np
+    cosine = train.learning_rate_schedule(2e-3, 100, 1000, "cosine")
+    constant = train.learning_rate_schedule(2e-3, 100, 1000, "constant")
+    for rate in (cosine, constant):
+        np.testing.assert_allclose([float(rate(0)), float(rate(50)), float(rate(100))], [0.0, 1e-3, 2e-3], rtol=1e-6)
+    np.testing.assert_allclose(float(cosine(1000)), 2e-5, rtol=1e-5)
+    assert float(cosine(550)) < 2e-3 * 0.6
+    np.testing.assert_allclose([float(constant(s)) for s in (101, 550, 1000, 5000)], 2e-3, rtol=1e-6)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        config_lib.get_config("quick", schedule="linear")

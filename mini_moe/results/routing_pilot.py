@@ -116,6 +116,22 @@ for _seed in (0, 1):
 GROUPS["pixel_standardised"] = [run(r, 0, dataset="subtask_vote_d4_h4", steps=4000, eval_every=500)
                                 for r in (EC, DENSE, EC_FROZEN)]
 
+# Issue 51's pilot: a harder subtask_vote, asked at fixed budgets. Every run holds its learning rate
+# after a 100-step warmup (schedule "constant"), so its validation curve, evaluated every 250 steps,
+# gives every budget (500, 1,000, 2,000, 3,000 steps) from one run. Calibration first: teachers wider
+# than the experts (h = 16, 64), a larger content (d = 6), and signatures of norm 2 or 1 (in content
+# standard deviations; 4 until now) so that a patch's appearance hides its sub-task from a random
+# projection. The issue's three targets at the largest budget: the dense ViT of equal activated FLOPs
+# at least 10 points below the best MoE, a frozen router's first MoE layer routing at most half of the
+# patches home, the best arm below 95 %. Seed 0, the three arms that decide them.
+def _v3(router, seed, dataset, learning_rate=2e-3, **extra):
+    return run(router, seed, dataset=dataset, steps=3000, eval_every=250, schedule="constant",
+               learning_rate=learning_rate, **extra)
+
+
+for _task in ("d4_h16_s2", "d4_h64_s2", "d6_h16_s2", "d4_h16_s1", "d4_h64_s1"):
+    GROUPS[f"v3_cal_{_task}"] = [_v3(r, 0, f"subtask_vote_{_task}") for r in (DENSE, EC, EC_FROZEN)]
+
 #: Per-token probes (no ViT): one GELU MLP 49 -> width -> 10 trained with labels on the value of
 #: single patches, on one sub-task's patches or on all eight (``"tasks"``), 3,000 Adam steps
 #: (3e-3) of 512 patches, value accuracy on 20,000 fresh patches. The capacity argument of
@@ -259,7 +275,7 @@ def main(groups) -> None:
             OUT.write_text(json.dumps(record, indent=1) + "\n")
             if os.environ.get("COMMIT") == "1":  # commit the record alone, as the run finishes
                 subprocess.run(["bash", "-c", f'source mini_moe/results/commit_result.sh && '
-                                f'commit_result {OUT} "issue 34 pilot: {run_name}"'], check=False)
+                                f'commit_result {OUT} "routing pilot ({group}): {run_name}"'], check=False)
             acc = entry.get("test_accuracy")
             routing = [round(layer["routing_accuracy"], 3) for layer in entry.get("routing", [])]
             print(f"{run_name}: {entry['status']} test={acc if acc is None else round(100 * acc, 2)} "
