@@ -131,6 +131,8 @@ def _v3(router, seed, dataset, learning_rate=2e-3, **extra):
 
 for _task in ("d4_h16_s2", "d4_h64_s2", "d6_h16_s2", "d4_h16_s1", "d4_h64_s1", "d8_h16_s2"):
     GROUPS[f"v3_cal_{_task}"] = [_v3(r, 0, f"subtask_vote_{_task}") for r in (DENSE, EC, EC_FROZEN)]
+# Signatures of norm 1 at d = 8, the frozen router first (does a fixed router still find the sub-tasks?)
+GROUPS["v3_cal_d8_h16_s1"] = [_v3(r, 0, "subtask_vote_d8_h16_s1") for r in (EC_FROZEN, EC, DENSE)]
 # (d4_h16_s2 put Expert Choice only 1.9 points above the dense ViT, both near 90 %; d4_h64_s2 was
 # stopped after its dense run (89.5 %). A per-token probe (token_probe, h = 16, not recorded: 3,000
 # steps, one expert-sized MLP on all eight sub-tasks) fell from 0.67 value accuracy at d = 4 to 0.56
