@@ -99,6 +99,9 @@ class TrainConfig:
     eval_every: int = 500
     eval_batch_size: int = 512
     checkpoint_every: int = 500
+    # 0: only the newest two checkpoints are kept; k > 0: also every checkpoint at a multiple of k
+    # steps, so that one run can be measured at several budgets (train.load_trained(step=...)).
+    keep_every: int = 0
     max_seconds: float | None = None  # stop (and checkpoint) after this much training time
     # Early stopping (train.plateaued): 0 = off, else stop at the first evaluation whose best
     # accuracy on the evaluation split is not min_delta above the best of `patience` steps earlier.
@@ -114,6 +117,10 @@ class TrainConfig:
         if not self.learning_rate > 0:
             raise InputError(f"learning_rate must be > 0, got {self.learning_rate!r}.")
         check_int("patience", self.patience, 0)
+        check_int("keep_every", self.keep_every, 0)
+        if self.keep_every % self.checkpoint_every:
+            raise InputError(f"keep_every must be a multiple of checkpoint_every={self.checkpoint_every} "
+                             f"(a kept step must be a checkpointed one), got {self.keep_every}.")
         if self.patience % self.eval_every:
             raise InputError(f"patience must be a multiple of eval_every={self.eval_every}, got {self.patience}.")
         if not 0 <= self.min_delta < 1:

@@ -230,8 +230,9 @@ def _mean_metrics(per_layer) -> dict:
 # ------------------------------------------------------------------ checkpoints
 
 
-def _manager(out_dir: pathlib.Path) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+def _manager(out_dir: pathlib.Path, keep_every: int = 0) -> ocp.CheckpointManager:
+    """The run's checkpoints: the newest two, and with ``keep_every`` > 0 every multiple of it."""
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, keep_period=keep_every or None, create=True)
     return ocp.CheckpointManager((out_dir / "checkpoints").absolute(), options=options)
 
 
@@ -260,16 +261,20 @@ def restore_checkpoint(manager, model, optimizer, step: int | None = None) -> in
     return step
 
 
-def load_trained(out_dir) -> tuple[VisionMoE, TrainConfig]:
-    """The model of a finished (or interrupted) run from its folder, newest checkpoint
-    (on one device, also for a run trained with a mesh)."""
+def load_trained(out_dir, step: int | None = None) -> tuple[VisionMoE, TrainConfig]:
+    """The model of a finished (or interrupted) run from its folder, at its newest checkpoint or
+    at checkpoint ``step`` (one the run kept: ``TrainConfig.keep_every``), on one device, also for
+    a run trained with a mesh."""
     out_dir = pathlib.Path(out_dir)
     cfg = config_from_json(json.loads((out_dir / "config.json").read_text()))
     model = make_model(cfg)
-    manager = _manager(out_dir)
+    manager = _manager(out_dir, cfg.keep_every)
     if manager.latest_step() is None:
         raise InputError(f"No checkpoint in {out_dir / 'checkpoints'}; train first (python -m mini_moe train).")
-    restore_checkpoint(manager, model, make_optimizer(model, cfg))
+    if step is not None and step not in manager.all_steps():
+        raise InputError(f"step={step} is not among the checkpoints kept in {out_dir / 'checkpoints'} "
+                         f"({sorted(manager.all_steps())}); train with keep_every dividing it.")
+    restore_checkpoint(manager, model, make_optimizer(model, cfg), step)
     model.eval()
     return model, cfg
 
@@ -426,7 +431,7 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     if cfg.mesh is not None:  # experts sharded over the devices, the batch split over all of them
         mesh = parallel.make_mesh(*cfg.mesh)
         parallel.shard_model(model, mesh, optimizer)
-    manager = _manager(out_dir)
+    manager = _manager(out_dir, cfg.keep_every)
     history = {"train": [], "eval": [], "seconds": 0.0}
     start = 0
     if resume and manager.latest_step() is not None:

@@ -1,5 +1,6 @@
 """Model, configs, training (exact resume, NaN guard), evaluation, PRC loss and the CLI."""
 
+import dataclasses
 import json
 import math
 
@@ -680,3 +681,23 @@ def test_learning_rate_schedules_warm_up_then_decay_or_hold():
     np.testing.assert_allclose([float(constant(s)) for s in (101, 550, 1000, 5000)], 2e-3, rtol=1e-6)
     with pytest.raises(ValueError, match="schedule must be one of"):
         config_lib.get_config("quick", schedule="linear")
+
+
+def test_kept_checkpoints_give_the_model_at_each_budget(tmp_path, digits):
+    """``keep_every`` keeps the checkpoints at its multiples (issue 51 measures one constant-rate
+    run at several budgets): the model loaded at step 4 of an 8-step run equals the final model
+    of the same run trained for 4 steps, and an unkept step is refused with the steps that exist."""
+    long = _cfg(steps=8, eval_every=2, checkpoint_every=2, keep_every=4, schedule="constant", warmup_steps=1)
+    short = dataclasses.replace(long, steps=4, keep_every=0)
+    train.train(long, tmp_path / "long", progress=False, datasets=digits)
+    train.train(short, tmp_path / "short", progress=False, datasets=digits)
+    at4, _ = train.load_trained(tmp_path / "long", step=4)
+    final4, _ = train.load_trained(tmp_path / "short")
+    for a, b in zip(_params(at4), _params(final4)):
+        np.testing.assert_array_equal(a, b)
+    final8, _ = train.load_trained(tmp_path / "long")
+    assert any(not np.array_equal(a, b) for a, b in zip(_params(at4), _params(final8)))
+    with pytest.raises(ValueError, match=r"step=2 is not among the checkpoints kept .*\[4, 6, 8\]"):
+        train.load_trained(tmp_path / "long", step=2)
+    with pytest.raises(ValueError, match="keep_every must be a multiple of checkpoint_every"):
+        _cfg(checkpoint_every=2, keep_every=3)
