@@ -134,6 +134,7 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
     tokens = x.reshape(-1, x.shape[-1])  # [N, D]
     values, picks = jax.lax.top_k(scores.reshape(-1, num_experts), k)  # [N, k]
     gates = jnp.take_along_axis(weights.reshape(-1, num_experts), picks, axis=-1)  # [N, k]
+    made = jnp.ones(picks.shape, bool)
     if min_score is not None:  # picks not made go to a sentinel expert E, sorted last, in no group
         made = values > min_score
         picks, gates = jnp.where(made, picks, num_experts), jnp.where(made, gates, 0)
@@ -141,8 +142,13 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
     order, group_sizes = sort_by_expert(expert, num_experts + (min_score is not None))
     group_sizes = group_sizes[:num_experts]
     token = order // k
-    rows = experts.ragged(tokens[token], jnp.minimum(expert[order], num_experts - 1), group_sizes)  # [N k, D_out]
-    rows = rows * gates.reshape(-1)[order][:, None].astype(rows.dtype)
+    chosen = made.reshape(-1)[order][:, None]  # [N k, 1]: the sorted rows that belong to a group
+    rows = experts.ragged(jnp.where(chosen, tokens[token], 0), expert[order], group_sizes)  # [N k, D_out]
+    # A grouped matmul need not write the rows outside every group (megablox leaves them as they
+    # were: NaN under Pallas' interpreter, forward and backward), so those rows are selected away
+    # on the way in and out, never multiplied by a zero gate (NaN * 0 = NaN): a select's gradient
+    # sends nothing to the rows it drops.
+    rows = jnp.where(chosen, rows, 0) * gates.reshape(-1)[order][:, None].astype(rows.dtype)
     out = jnp.zeros((tokens.shape[0], rows.shape[-1]), rows.dtype).at[token].add(rows)
     return out.reshape(x.shape[:-1] + (rows.shape[-1],))
 
@@ -317,11 +323,13 @@ class MlpExperts(nnx.Module):
     def ragged(self, rows: Array, expert: Array, group_sizes: Array) -> Array:
         """Apply expert e to its block of ``rows`` ``[M, D]``, sorted by expert: the first
         ``group_sizes[0]`` rows go through expert 0, the next ``group_sizes[1]`` through expert 1,
-        and so on (``expert [M]`` names each row's expert, for the biases). Two grouped matmuls
+        and so on (``expert [M]`` names each row's expert, for the biases; a row past every group
+        names E, gets no bias and sends no gradient to any). Two grouped matmuls
         (:func:`grouped_matmul` with this module's ``kernel``); returns ``[M, D_out]``."""
         w1, b1, w2, b2 = self._weights(rows.dtype)
-        h = jax.nn.gelu(grouped_matmul(rows, w1, group_sizes, kernel=self.kernel) + b1[expert, 0])
-        return grouped_matmul(h, w2, group_sizes, kernel=self.kernel) + b2[expert, 0]
+        bias = lambda b: b.at[expert, 0].get(mode="fill", fill_value=0)
+        h = jax.nn.gelu(grouped_matmul(rows, w1, group_sizes, kernel=self.kernel) + bias(b1))
+        return grouped_matmul(h, w2, group_sizes, kernel=self.kernel) + bias(b2)
 
     def _weights(self, dtype):
         """The parameters cast to the compute dtype (they are stored in float32)."""

@@ -151,3 +151,32 @@ def test_dropless_relu_routing_computes_only_the_positive_picks(monkeypatch):
     every = layer.moe_sorted(x, scores, experts, k=E)
     assert seen[2:] == [2 * T * E] * 2
     np.testing.assert_allclose(positive, every, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["blocked", "ragged_dot", "megablox"])
+def test_relu_routing_is_finite_and_equals_all_picks_on_every_kernel(kernel):
+    """Issue 52 (review N1): the picks a ReLU gate does not make go to rows outside every group,
+    which a grouped matmul need not write; megablox (here under Pallas' interpreter, which fills
+    unwritten memory with NaN) leaves them so. Those rows must be selected away, not multiplied
+    by a zero gate: outputs and gradients (tokens, the gates' logits before the ReLU, expert
+    weights) are finite and equal to the computation with all E picks per token, whose zero gates
+    add nothing."""
+    from mini_moe import layer
+
+    x = jax.random.normal(jax.random.key(7), (2, T, D))
+    logits = jax.random.normal(jax.random.key(8), (2, T, E))
+    assert 0.3 < float(jnp.mean(logits > 0)) < 0.7
+    experts = MlpExperts(E, D, 8, rngs=nnx.Rngs(1), kernel=kernel)
+    graph, params = nnx.split(experts)
+
+    def loss(x, logits, params, min_score):
+        out = layer.moe_sorted(x, jax.nn.relu(logits), nnx.merge(graph, params), k=E, min_score=min_score)
+        return jnp.sum(jnp.sin(out)), out
+
+    (_, positive), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, logits, params, 0.0)
+    (_, every), reference = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, logits, params, None)
+    assert bool(jnp.isfinite(positive).all())
+    np.testing.assert_allclose(positive, every, rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
+        assert bool(jnp.isfinite(got).all())
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
