@@ -136,6 +136,9 @@ GROUPS["v3_cal_d8_h16_s1"] = [_v3(r, 0, "subtask_vote_d8_h16_s1") for r in (EC_F
 # d8_h16_s2 met two targets (dense 71.0 %, Expert Choice 82.2 %) but not the third: its frozen router's
 # first MoE layer routed 0.60 of the patches home (0.56 at s1). Signatures of norm 0.5:
 GROUPS["v3_cal_d8_h16_s0.5"] = [_v3(r, 0, "subtask_vote_d8_h16_s0.5") for r in (EC_FROZEN, EC, DENSE)]
+# At s1 and s0.5 the frozen router's first MoE layer still routed 0.56 and 0.59 home, and at s1 the
+# dense ViT came within 2 points of Expert Choice: is d8_h16_s2's 11-point gap a seed's? Seed 1:
+GROUPS["v3_cal_d8_h16_s2_seed1"] = [_v3(r, 1, "subtask_vote_d8_h16_s2") for r in (DENSE, EC, EC_FROZEN)]
 # (d4_h16_s2 put Expert Choice only 1.9 points above the dense ViT, both near 90 %; d4_h64_s2 was
 # stopped after its dense run (89.5 %). A per-token probe (token_probe, h = 16, not recorded: 3,000
 # steps, one expert-sized MLP on all eight sub-tasks) fell from 0.67 value accuracy at d = 4 to 0.56
