@@ -153,6 +153,25 @@ PROBES = {"token_probe": [dict(content=4, teacher=h, tasks=t, width=w) for h in 
                           for t, w in ((1, 64), (8, 64), (8, 512))]}
 
 
+#: Routing before training (no ViT is trained): the frozen Expert Choice model at initialisation,
+#: whose router weights are the ones its trained run keeps, measured against the right routing on the
+#: test split (standardised as training does). How much of the sub-task sorting does a random
+#: projection of an untrained network do, against the 0.56-0.62 of the trained frozen runs?
+INIT_ROUTING = {"init_routing": [dict(dataset=f"subtask_vote_{t}", seed=seed) for t in
+                                 ("d4_h4", "d4_h16_s2", "d8_h16_s2", "d8_h16_s1", "d8_h16_s0.5") for seed in (0, 1)]}
+
+
+def init_routing(dataset: str, seed: int) -> dict:
+    """Routing accuracy per MoE layer of the untrained frozen Expert Choice model of ``seed``."""
+    cfg = study.cell_config(EC_FROZEN, 1.0, seed, dataset=dataset, scale="quick")
+    _, _, test = splits(cfg)
+    model = train.make_model(cfg)
+    model.eval()
+    tasks, _ = data.subtask_vote_tasks("test", **data.subtask_vote_options(dataset))
+    return {"routing": [{k: v for k, v in layer.items() if k != "counts"}
+                        for layer in evaluate.routing_accuracy(model, test.images, tasks)]}
+
+
 def token_probe(content: int, teacher: int, tasks: int, width: int, *, steps: int = 3000, seed: int = 0) -> dict:
     """One per-token probe of :data:`PROBES` (sub-tasks ``0..tasks-1``): value accuracy on fresh patches."""
     import jax
@@ -236,8 +255,22 @@ def main(groups) -> None:
         if os.environ.get("COMMIT") == "1":
             subprocess.run(["bash", "-c", f'source mini_moe/results/commit_result.sh && '
                             f'commit_result {OUT} "issue 34 pilot: {group}"'], check=False)
+    for group in [g for g in groups if g in INIT_ROUTING]:
+        for spec in INIT_ROUTING[group]:
+            run_name = "init_routing-{dataset}-s{seed}".format(**spec)
+            if run_name in done:
+                continue
+            entry = {"name": run_name, "group": group, "status": "ok", "router": EC_FROZEN, **spec, "steps": 0,
+                     "inputs": "standardised", "command": f"taskset -c N .venv/bin/python mini_moe/results/routing_pilot.py {group}",
+                     **init_routing(**spec), "source_commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                               text=True).stdout.strip()}
+            if OUT.exists():
+                record["runs"] = json.loads(OUT.read_text())["runs"]
+            record["runs"] = [r for r in record["runs"] if r["name"] != run_name] + [entry]
+            OUT.write_text(json.dumps(record, indent=1) + "\n")
+            print(f"{run_name}: {[round(layer['routing_accuracy'], 3) for layer in entry['routing']]}", flush=True)
     last_wall = 0.0
-    for group in [g for g in groups if g not in PROBES]:
+    for group in [g for g in groups if g not in PROBES and g not in INIT_ROUTING]:
         for spec in GROUPS[group]:
             run_name = name(spec)
             if run_name in done or (os.environ.get("SEEDS") and str(spec["seed"]) not in os.environ["SEEDS"].split(",")):
@@ -295,7 +328,7 @@ def main(groups) -> None:
 
 
 if __name__ == "__main__":
-    unknown = [g for g in sys.argv[1:] if g not in GROUPS and g not in PROBES]
+    unknown = [g for g in sys.argv[1:] if g not in GROUPS and g not in PROBES and g not in INIT_ROUTING]
     if unknown or len(sys.argv) < 2:
-        sys.exit(f"usage: {shlex.quote(sys.argv[0])} GROUP [GROUP ...]; groups: {', '.join([*GROUPS, *PROBES])}")
+        sys.exit(f"usage: {shlex.quote(sys.argv[0])} GROUP [GROUP ...]; groups: {', '.join([*GROUPS, *PROBES, *INIT_ROUTING])}")
     main(sys.argv[1:])
