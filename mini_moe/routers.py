@@ -759,6 +759,7 @@ class Router(nnx.Module):
         if isinstance(self.allocation, TokenChoice):  # the demand before capacity cuts it
             load = routing.pick_load(affinities.scores, k=self.allocation.k, min_score=self.allocation.min_score)
             metrics["max_violation"] = routing.max_violation(load)
+            metrics["pick_load"] = load  # [E]: an accumulated step's MaxVio comes from the summed loads
         metrics.update(affinities.metrics)
         probs = affinities.probs if affinities.probs is not None else rt.combine.sum(axis=-1)
         return RouterOutput(rt, jnp.asarray(affinities.aux_loss, jnp.float32), metrics, probs, affinities)

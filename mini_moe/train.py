@@ -37,6 +37,7 @@ from mini_moe import augment
 from mini_moe import data as data_lib
 from mini_moe import evaluate, losses, parallel
 from mini_moe import routers as routers_lib
+from mini_moe import routing as routing_lib
 from mini_moe.config import TrainConfig
 from mini_moe.model import ModelConfig, VisionMoE
 from mini_moe.validate import InputError
@@ -170,20 +171,26 @@ def accumulated_grads(model, images, labels, aux_weight: float, micro_batches: i
     known before the first backward pass.
     """
     size = images.shape[0] // micro_batches
-    grads = ce = aux = None
-    logits, metrics = [], []
-    for i in range(micro_batches):
-        part = slice(i * size, (i + 1) * size)
-        g, (c, out) = nnx.grad(_loss_fn, has_aux=True)(model, images[part], labels[part], aux_weight, None)
-        grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-        ce = c if ce is None else ce + c
-        aux = out.aux_loss if aux is None else aux + out.aux_loss
-        logits.append(out.logits)
-        metrics.append(out.metrics)
+    parts = lambda a: a.reshape((micro_batches, size) + a.shape[1:])
+    graphdef, state = nnx.split(model)
+
+    # One micro-batch per iteration of a scan, not an unrolled loop: XLA then holds the
+    # activations of one micro-batch at a time (mini_moe/results/grad_accum_memory.py measures it).
+    def one(carry, batch):
+        state, grads = carry
+        micro = nnx.merge(graphdef, state)
+        g, (c, out) = nnx.grad(_loss_fn, has_aux=True)(micro, *batch, aux_weight, None)
+        grads = jax.tree.map(jnp.add, grads, g)
+        return (nnx.state(micro), grads), (c, out.aux_loss, out.logits, out.metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, nnx.state(model, nnx.Param))
+    (state, grads), (ce, aux, logits, stacked) = jax.lax.scan(one, (state, zeros), (parts(images), parts(labels)))
+    nnx.update(model, state)
+    metrics = [jax.tree.map(lambda m: m[i], stacked) for i in range(micro_batches)]
     model.apply_deferred_updates(metrics)
     scale = 1.0 / micro_batches
     grads = jax.tree.map(lambda g: g * scale, grads)
-    return grads, ce * scale, aux * scale, jnp.concatenate(logits), metrics
+    return grads, jnp.sum(ce) * scale, jnp.sum(aux) * scale, logits.reshape((-1,) + logits.shape[2:]), metrics
 
 
 @nnx.jit(static_argnames=("aux_weight", "micro_batches"))
@@ -193,6 +200,9 @@ def accumulated_train_step(model, optimizer, images, labels, aux_weight: float, 
     optimizer.update(model, grads)
     accuracy = jnp.mean(jnp.argmax(logits, -1) == labels)
     router = {k: jnp.mean(jnp.stack([_mean_metrics(m)[k] for m in metrics])) for k in _mean_metrics(metrics[0])}
+    if "max_violation" in router:  # of the whole batch's load, as one step on it would report, not a mean
+        loads = [sum(m[i]["pick_load"] for m in metrics) for i in range(len(metrics[0])) if "pick_load" in metrics[0][i]]
+        router["max_violation"] = jnp.mean(jnp.stack([routing_lib.max_violation(load) for load in loads]))
     return {"loss": ce, "aux_loss": aux, "accuracy": accuracy, "router": router}
 
 
