@@ -323,7 +323,7 @@ class VisionMoE(nnx.Module):
             )
         dtype = jnp.dtype(cfg.dtype)
         x = self.embed(patchify(images, cfg.patch_size).astype(dtype)) + self.pos[...].astype(dtype)
-        aux, metrics, probs, routings, relu = jnp.zeros(()), [], [], [], []
+        aux, metrics, probs, routings, layers = jnp.zeros(()), [], [], [], []
         for block in self.blocks:
             x, out = block(x, mesh)
             if out is not None:
@@ -332,10 +332,8 @@ class VisionMoE(nnx.Module):
                 probs.append(out.probs)
                 if return_routing:
                     routings.append(out.routing)
-                if isinstance(block.mlp.router.affinity, routers_lib.ReluGates):
-                    relu.append((block.mlp.router.affinity, out.metrics["sparsity"]))
-        if relu and not relu[0][0].defer:  # ReMoE: one lambda for the model, moved by all its layers' sparsity
-            routers_lib.update_l1_weights(*zip(*relu))
+                layers.append((block.mlp.router.affinity, out.metrics))
+        routers_lib.after_forward(layers)  # e.g. ReMoE: one lambda for the model, moved by all its layers
         features = jnp.mean(self.norm(x.astype(jnp.float32)), axis=1)
         return ModelOutput(self.head(features), aux, tuple(metrics), features, tuple(probs), tuple(routings))
 

@@ -340,11 +340,11 @@ class ReluGates(Affinity):
 
     Whose sparsity: ReMoE's reference code keeps **one lambda for the whole model**, moved once
     per training step by the sparsity averaged over all MoE layers; that is ``l1_scope="model"``,
-    the default, where the router does not move lambda itself and
-    :class:`mini_moe.model.VisionMoE` calls :func:`update_l1_weights` on all its ReLU routers
-    after each training forward pass (so every layer holds the same lambda). ``l1_scope="layer"``
-    gives every layer its own lambda, moved in the router's own call by its own sparsity (the
-    router alone, outside a model, adapts only this way).
+    the default, where the router does not move lambda itself and every model that holds MoE
+    layers (:class:`mini_moe.model.VisionMoE`, :class:`mini_moe.subtasks.SubtaskLayer`) calls
+    :func:`after_forward` after each training forward pass (so every layer holds the same
+    lambda). ``l1_scope="layer"`` gives every layer its own lambda, moved in the router's own call
+    by its own sparsity (a router called alone, outside such a model, adapts only this way).
 
     Args:
       target_k: k, the average number of active experts per token the controller aims at.
@@ -410,6 +410,18 @@ def update_l1_weights(gates: list[ReluGates], sparsities: list[Array]) -> None:
     mean = jnp.mean(jnp.stack([jnp.asarray(s, jnp.float32) for _, s in moving]))
     for g, _ in moving:
         g.step_l1(mean)
+
+
+def after_forward(layers) -> None:
+    """The step of the routers' own state that no layer can take alone, after a training forward
+    pass of any model that holds MoE layers (:class:`mini_moe.model.VisionMoE`, chapter 9's one-layer
+    :class:`mini_moe.subtasks.SubtaskLayer`): ``layers`` lists ``(affinity, metrics)`` of every MoE
+    layer of the pass. Today that is ReMoE's model-level lambda (:func:`update_l1_weights`), skipped
+    under gradient accumulation (the training step moves it once from the whole batch). A router
+    whose state is its own layer's (DeepSeek-V3's bias, a layer-scope lambda) moves in its call."""
+    relu = [(a, m["sparsity"]) for a, m in layers if isinstance(a, ReluGates)]
+    if relu and not relu[0][0].defer:
+        update_l1_weights(*zip(*relu))
 
 
 def defer_updates(module, defer: bool = True) -> None:

@@ -162,7 +162,9 @@ class SubtaskLayer(MoeLayer):
         if self.router is None:
             g, t, d = x.shape
             return self.experts(x.reshape(1, g * t, d)).reshape(g, t, -1), None
-        return super().__call__(x)
+        y, out = super().__call__(x)
+        routers_lib.after_forward([(self.router.affinity, out.metrics)])  # the model's step: ReMoE's lambda
+        return y, out
 
 
 def _loss(layer, x, y, aux_weight):

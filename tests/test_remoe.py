@@ -180,3 +180,26 @@ def test_relu_routing_is_finite_and_equals_all_picks_on_every_kernel(kernel):
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(reference)):
         assert bool(jnp.isfinite(got).all())
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_chapter_9s_one_layer_model_moves_remoes_lambda_as_the_vit_does():
+    """Code review B2 (issue 52 §1): the model-level lambda has one home, routers.after_forward,
+    which every model holding MoE layers calls; chapter 9's SubtaskLayer (``remoe`` is in its
+    router list) used not to, so lambda never moved there. One training step moves it by exactly
+    one controller step, toward the target; an evaluation call does not."""
+    from mini_moe import subtasks
+
+    cfg = subtasks.SubtaskConfig(router="remoe", tasks=4, dim=8, hidden=8, group_tokens=32, groups=2, steps=1,
+                                 eval_every=1, seed=0)
+    layer = subtasks.SubtaskLayer(cfg, rngs=nnx.Rngs(0))
+    gates = layer.router.affinity
+    before = float(gates.l1_weight[...])
+    x = jax.random.normal(jax.random.key(1), (2, 32, 8))
+    _, out = layer(x)
+    sparsity = float(out.metrics["sparsity"])
+    target = 1 - gates.target_k / 4
+    assert float(gates.l1_weight[...]) == pytest.approx(before * gates.l1_rate ** np.sign(target - sparsity), rel=1e-6)
+    moved = float(gates.l1_weight[...])
+    with eval_mode(layer):
+        layer(x)
+    assert float(gates.l1_weight[...]) == moved
