@@ -13,6 +13,8 @@ from flax import nnx  # noqa: E402
 
 from mini_moe import config, parallel, routers, train  # noqa: E402
 
+from live_head import live_head  # noqa: E402
+
 # Token Choice (k = 2, with drops), Expert Choice and Soft MoE: the three kinds of dispatch tensor.
 ROUTERS = {"softmax_token_choice": {"k": 2}, "softmax_expert_choice": {}, "soft_moe": {"slots_per_expert": 2},
            "sigmoid_loss_free": {"k": 2}}
@@ -36,7 +38,8 @@ def check_equal_to_single_device():
     # (router, training mode): softmax_token_choice trains with noisy logits (V-MoE), so the noise
     # drawn on the sharded model must equal the single-device model's.
     for router, training in [(r, False) for r in ROUTERS if r != "sigmoid_loss_free"] + [("softmax_token_choice", True)]:
-        single, sharded = train.make_model(tiny(router)), train.make_model(tiny(router))
+        # the same live head on both: a zero head gives zero logits and zero expert gradients
+        single, sharded = live_head(train.make_model(tiny(router))), live_head(train.make_model(tiny(router)))
         for m in (single, sharded):
             m.train() if training else m.eval()
         parallel.shard_model(sharded, mesh)

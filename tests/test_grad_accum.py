@@ -11,6 +11,8 @@ from flax import nnx
 from mini_moe import config as config_lib
 from mini_moe import routers, train
 
+from live_head import live_head
+
 TINY = dict(steps=6, batch_size=32, eval_every=3, checkpoint_every=3, eval_batch_size=64, model_dim=16,
             model_depth=2, model_heads=2, model_mlp_dim=16, model_num_experts=4, model_group_images=4)
 
@@ -54,12 +56,16 @@ def test_an_accumulated_step_equals_one_step_on_the_whole_batch(case, digits):
     router, kw = CASES[case]
     whole_cfg, split_cfg = _cfg(router, **kw), _cfg(router, grad_accum=2, **kw)
     images, labels = (jax.numpy.asarray(a) for a in train.batch_at(digits[0], whole_cfg, 0))
-    # gradients, losses and the routers' state after the forward passes
-    whole, split = train.make_model(whole_cfg), train.make_model(split_cfg)
+    # gradients, losses and the routers' state after the forward passes, with the same live head
+    # (a zero head gives zero logits and zero expert gradients, which would hide a wrong accumulation)
+    whole, split = live_head(train.make_model(whole_cfg)), live_head(train.make_model(split_cfg))
     grads, (ce, out) = nnx.jit(nnx.grad(train._loss_fn, has_aux=True), static_argnums=(3, 4))(
         whole, images, labels, whole_cfg.aux_loss_weight, None)
     acc_grads, acc_ce, acc_aux, logits, _ = ACCUMULATED(split, images, labels, split_cfg.aux_loss_weight, 2)
     _close(_leaves(acc_grads), _leaves(grads))
+    experts = [np.asarray(g) for path, g in jax.tree_util.tree_leaves_with_path(grads) if "experts" in jax.tree_util.keystr(path)]
+    assert experts and all(np.abs(g).max() > 0 for g in experts)  # the task's gradient reaches the experts
+    assert np.std(np.asarray(out.logits)) > 0.1  # logits that differ between images: their order is checked
     assert float(acc_ce) == pytest.approx(float(ce), rel=1e-5)
     if case == "remoe":
         # What differs: ReMoE's penalty weights each expert by f_e, counted over the tokens of one
@@ -77,7 +83,7 @@ def test_an_accumulated_step_equals_one_step_on_the_whole_batch(case, digits):
     if case != "loss_free_dropless":
         return
     # one optimizer step each: the same parameters after it
-    whole, split = train.make_model(whole_cfg), train.make_model(split_cfg)
+    whole, split = live_head(train.make_model(whole_cfg)), live_head(train.make_model(split_cfg))
     train._step(whole, train.make_optimizer(whole, whole_cfg), (images, labels), whole_cfg)
     train._step(split, train.make_optimizer(split, split_cfg), (images, labels), split_cfg)
     _close(_leaves(nnx.state(split, nnx.Param)), _leaves(nnx.state(whole, nnx.Param)), rtol=1e-4, atol=1e-6)
@@ -149,3 +155,4 @@ def test_nothing_changes_in_eval_mode(name, kw):
     np.testing.assert_array_equal(np.asarray(first.routing.combine), np.asarray(second.routing.combine))
     router(x)  # training mode: the noise's RNG count, the bias or lambda moves
     assert any(not np.array_equal(a, b) for a, b in zip(_leaves(nnx.state(router)), before))
+

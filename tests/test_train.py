@@ -16,6 +16,8 @@ from mini_moe import config as config_lib
 from mini_moe import evaluate, losses, train
 from mini_moe.model import ModelConfig, VisionMoE, patchify
 
+from live_head import live_head
+
 TINY = dict(steps=6, batch_size=32, eval_every=3, checkpoint_every=3, eval_batch_size=64,
             model_dim=16, model_depth=2, model_heads=2, model_mlp_dim=16, model_num_experts=4,
             model_group_images=4)
@@ -560,7 +562,7 @@ _EVAL_HELPERS = {
 @pytest.mark.parametrize("mode", ["eval", "train", "as_built"])
 @pytest.mark.parametrize("helper", sorted(_EVAL_HELPERS))
 def test_evaluation_helpers_leave_the_model_mode_as_they_found_it(digits, helper, mode):
-    model = train.make_model(_cfg(model_router_kwargs={"k": 2}))  # noisy router in training mode
+    model = live_head(train.make_model(_cfg(model_router_kwargs={"k": 2})))  # noisy router in training mode
     if mode != "as_built":  # as built: the router is noisy, attention deterministic (mixed)
         getattr(model, mode)()
     modes = _modes(model)
