@@ -53,7 +53,8 @@ def _bias_follows_the_update_rule(router, x) -> bool:
 def test_maxtext_2494_the_loss_free_bias_is_updated():
     """AI-Hypercomputer/maxtext#2494: DeepSeek-V3's routing bias was declared (and described as
     learnable) but never updated. It only feeds the top-k, so it gets no gradient, and there was
-    no update rule: the "loss-free" balancing did nothing. (Fixed in maxtext#2892.)"""
+    no update rule: the "loss-free" balancing did nothing. (The issue is closed; we found no
+    change that fixes it for DeepSeek-V3, so none is cited.)"""
     x = _x(1) + 0.5  # an offset makes some experts popular
     assert _bias_follows_the_update_rule(_loss_free(bias_rate=1e-3), x)
     # The mutant: the bias exists but nothing updates it.
@@ -144,32 +145,35 @@ def test_vllm_13474_group_limited_routing_never_picks_an_excluded_expert(monkeyp
 # ---------------------------------------------------------------------- softmax gates and losses
 
 
-def test_megatron_894_top1_router_gets_a_gradient_from_the_task():
+def _task_gradient(router, x) -> float:
+    """max |d task / d W_router| through ``router(x)`` and the experts; no auxiliary loss."""
+    experts = MlpExperts(E, D, 8, rngs=nnx.Rngs(1))
+
+    def loss(router):
+        return jnp.sum(moe(x, router(x).routing, experts) ** 2)
+
+    return float(jnp.abs(nnx.grad(loss)(router).affinity.dense.kernel[...]).max())
+
+
+def test_megatron_894_top1_router_gets_a_gradient_from_the_task(monkeypatch):
     """NVIDIA/Megatron-LM#894: with top-1 routing, taking the top-k first and the softmax after
     gives every kept token a gate of exactly 1, so the router's weights get no gradient from the
     task (the fix added softmax-before-top-k, ``--moe-router-pre-softmax``). V-MoE's eq. (1) takes
-    the softmax first, as mini_moe does."""
-    router = routers.make_router("softmax_token_choice", D, E, rngs=nnx.Rngs(0), deterministic=True,
-                                 balance_loss="none", capacity_factor=float(E))
-    experts = MlpExperts(E, D, 8, rngs=nnx.Rngs(1))
+    the softmax first, as mini_moe's router does: the gradient is taken through the router."""
+    router = lambda: routers.make_router("softmax_token_choice", D, E, rngs=nnx.Rngs(0), k=1, deterministic=True,
+                                         balance_loss="none", capacity_factor=float(E))
     x = _x(6)
-    kernel = router.affinity.dense.kernel[...]
+    assert _task_gradient(router(), x) > 1e-3
 
-    def task_gradient(gate_fn) -> float:
-        def loss(w):
-            logits = x @ w
-            scores = gate_fn(logits)
-            rt = routing.token_choice(scores, capacity=T, k=1)
-            return jnp.sum(moe(x, rt, experts) ** 2)
-        return float(jnp.abs(jax.grad(loss)(kernel)).max())
+    # The mutant, in the library: the router's softmax over the top-1 logit only.
+    real_softmax = jax.nn.softmax
 
-    assert task_gradient(lambda logits: jax.nn.softmax(logits, -1)) > 1e-4
+    def softmax_after_top1(logits, axis=-1):
+        keep = jax.nn.one_hot(jnp.argmax(logits, axis), logits.shape[axis], dtype=bool)
+        return real_softmax(jnp.where(keep, logits, -jnp.inf), axis=axis)
 
-    def softmax_after_top1(logits):  # the mutant: the softmax over the one kept logit is 1
-        keep = jax.nn.one_hot(jnp.argmax(logits, -1), E, dtype=bool)
-        return jax.nn.softmax(jnp.where(keep, logits, -jnp.inf), -1)
-
-    assert task_gradient(softmax_after_top1) == 0.0
+    monkeypatch.setattr(routers.jax.nn, "softmax", softmax_after_top1)
+    assert _task_gradient(router(), x) == 0.0
 
 
 def test_transformers_28115_switch_loss_uses_the_full_softmax():
@@ -204,23 +208,35 @@ def _processed_per_expert(dispatch) -> np.ndarray:
     return np.asarray(dispatch).any(-1).sum(-2)  # [..., E]
 
 
-def test_deepspeed_7986_a_full_expert_keeps_its_best_tokens_even_with_negative_logits():
+def test_deepspeed_7986_a_full_expert_keeps_its_best_tokens_even_with_negative_logits(monkeypatch):
     """deepspeedai/DeepSpeed#7986: capacity dropping ranked each expert's tokens by
     ``mask * logits``, so a selected token with a negative logit ranked below the zeros of tokens
     that had not selected the expert; few selected tokens survived (experts per token fell to
-    0.001). Every expert must keep min(C, tokens that chose it) tokens."""
-    logits = jax.random.normal(jax.random.key(8), (T, E)) - 5.0  # all negative
+    0.001). Every expert must keep min(C, tokens that chose it) tokens. mini_moe's allocation is
+    given negative scores too: the loss-free router ranks ``sigmoid + bias``, and biases go negative."""
     capacity = 4
+    logits = jax.random.normal(jax.random.key(8), (T, E)) - 5.0  # all negative, fed to the allocation as they are
     chosen = np.asarray(jnp.argmax(logits, -1))
     wanted = np.minimum(np.bincount(chosen, minlength=E), capacity)
-    rt = routing.token_choice(jax.nn.softmax(logits, -1), capacity=capacity, k=1, batch_priority=True)
-    np.testing.assert_array_equal(_processed_per_expert(rt.dispatch), wanted)
+    assert wanted.sum() < T  # some experts overflow: the ranking decides who stays
 
-    # The mutant: per expert, the top-C tokens of mask * logits, kept only if they chose it.
-    mask = np.eye(E)[chosen]
-    ranked = np.argsort(-(mask * np.asarray(logits)), axis=0)[:capacity]  # [C, E]
-    kept = np.array([np.sum(chosen[ranked[:, e]] == e) for e in range(E)])
-    assert not np.array_equal(kept, wanted)
+    def held():
+        rt = routing.token_choice(logits, capacity=capacity, k=1, batch_priority=True)
+        return _processed_per_expert(rt.dispatch)
+
+    np.testing.assert_array_equal(held(), wanted)
+
+    def mask_times_score_slots(scores, capacity, k, batch_priority, min_score=None):  # DeepSpeed's ranking
+        """The mutant, in the library's slot assignment: each expert's buffer [E, C] takes the top C
+        tokens of ``mask * score``, and keeps only those that chose it."""
+        num_tokens, num_experts = scores.shape
+        expert = jnp.argmax(scores, -1)  # [T]
+        masked = jax.nn.one_hot(expert, num_experts) * jnp.max(scores, -1, keepdims=True)  # [T, E]
+        ranked = jnp.argsort(-masked, axis=0, stable=True)[:capacity]  # [C, E]
+        return jnp.where(expert[ranked] == jnp.arange(num_experts), ranked, num_tokens).T.astype(jnp.int32)
+
+    monkeypatch.setattr(routing, "_token_choice_slots", mask_times_score_slots)
+    assert held().sum() < wanted.sum()  # selected tokens lost to the zeros of tokens that chose elsewhere
 
 
 def test_deepspeed_1658_tokens_over_capacity_are_dropped():
