@@ -1,5 +1,8 @@
 """Allocation (Algorithms 1 and 2, Soft MoE softmaxes): invariants and loop == vectorised."""
 
+import math
+from fractions import Fraction
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +46,27 @@ def test_capacity_known_values():
     assert routing.capacity(49 * 8, 32, 1.05) == round(1.05 * 392 / 32)
 
 
-@pytest.mark.parametrize("args", [(0, 4, 1), (8, 0, 1), (8, 4, 0), (8, 4, -1.0), (8.5, 4, 1)])
+def test_capacity_rounds_halves_up_exactly():
+    """Halves round up on the factor's decimal value, not on its binary float (code review B4):
+    0.7 * 45 / 3 is 10.5, which floats compute as 10.4999... and rounded down to 10. Checked
+    against exact fractions over T < 100, E <= 12 and c = 0.05, 0.10, ..., 4.00."""
+    assert 0.7 * 45 / 3 < 10.5  # the float arithmetic that rounded it down
+    assert routing.capacity(45, 3, 0.7) == 11
+    assert routing.capacity(45, 3, Fraction(7, 10)) == routing.capacity(45, 3, np.float32(0.7)) == 11
+    halves = float_wrong = 0
+    for tokens in range(1, 100):
+        for experts in range(1, 13):
+            for twentieths in range(1, 81):
+                exact = Fraction(twentieths, 20) * tokens / experts
+                expected = max(1, math.floor(exact + Fraction(1, 2)))
+                factor = twentieths / 20
+                assert routing.capacity(tokens, experts, factor) == expected, (tokens, experts, factor)
+                halves += exact.denominator == 2
+                float_wrong += max(1, math.floor(factor * tokens / experts + 0.5)) != expected
+    assert halves > 1000 and float_wrong > 10  # the grid holds halves the float formula gets wrong
+
+
+@pytest.mark.parametrize("args", [(0, 4, 1), (8, 0, 1), (8, 4, 0), (8, 4, -1.0), (8.5, 4, 1), (8, 4, math.inf)])
 def test_capacity_rejects_bad_input(args):
     with pytest.raises(ValueError):
         routing.capacity(*args)
