@@ -21,7 +21,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: pin check-pin venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
+.PHONY: device-check pin check-pin venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
 
 venv: $(STAMP)
 
@@ -214,6 +214,13 @@ sync: venv
 # version), then for real on this CPU; chapters 1, 2 and 7 under nbval there.
 colab-stack: venv data
 	PYTHON=$(PYTHON) $(PY) .ci/colab_stack.py
+
+# The first thing to run on a lent accelerator (issue 55 §3; .ci/device_check.py): unit tests of the
+# accelerator path, one chapter at the full configuration, the benchmarks; JSON named by DEVICE. The
+# device machine has no network, so no venv is built: its own python with the checkout on PYTHONPATH.
+DEVICE ?= gpu-h100
+device-check:
+	PYTHONPATH=. $(or $(wildcard $(PY)),python3) .ci/device_check.py --out mini_moe/results/device-check-$(DEVICE).json
 
 # The sdist and the wheel into dist/, as the release workflow builds them: python -m build must
 # print no warning (PYTHONDONTWRITEBYTECODE, set on some machines, only makes distutils say that it

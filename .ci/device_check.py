@@ -1,0 +1,112 @@
+"""The check to run first whenever an accelerator is lent (issue 55 §3): about 8 minutes on one
+H100, everything a reader on a GPU or TPU touches that the CPU runs cannot show.
+
+1. ``units``: the unit tests of the accelerator path (routers, layer, dropless with ``ragged_dot``
+   and the blocked kernel, precision, training steps), on the device;
+2. ``chapter``: one chapter executed at the full configuration (``MINI_MOE_SCALE=full``);
+3. ``bench``: ``mini_moe.bench`` on the device: each dropless kernel against gather, every router's
+   forward + backward at the vmoe comparison's shapes, and training throughput against the dense
+   ViT;
+
+and writes one JSON with the device's name, each step's status, seconds and output tail, and the
+benchmark rows. ``--dry`` takes the same code path on the CPU with tiny shapes and a short
+chapter, so CI runs it and it cannot rot (``tests/test_device_check.py``).
+
+Usage, from the repository root (on the device tool: ``PYTHONPATH=.``)::
+
+    python .ci/device_check.py --out mini_moe/results/device-check-gpu-h100.json   # on the device
+    python .ci/device_check.py --dry --out /tmp/device-check.json                   # anywhere
+    make device-check                                                              # the first, named by the device
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+UNIT_FILES = ("tests/test_routers.py", "tests/test_layer.py", "tests/test_dropless.py", "tests/test_precision.py",
+              "tests/test_train.py")
+#: Dry mode: one quick test per file (the same pytest call), chapter 1 at the quick scale.
+DRY_UNITS = ("noise_has_std or softmax_token_choice_with_full_capacity or blocked_kernel_equals_ragged_dot "
+             "or bfloat16_forward_agrees or resume_ends_with_the_same")
+CHAPTER, DRY_CHAPTER = "book/02_softmax_token_choice.ipynb", "book/01_unified_formulation.ipynb"
+#: Dry mode's benchmark shape (images per group, tokens, groups, D, H, E), for every bench table.
+TINY_SHAPE = (2, 16, 2, 32, 64, 4)
+BENCH_PARTS = ("dropless", "routers_reference", "training")
+
+
+def run_step(name: str, command: list[str], env: dict, timeout: float) -> dict:
+    """Run one step as a subprocess: status, seconds, and the last lines of its output."""
+    tick = time.perf_counter()
+    try:
+        done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        status, output = ("ok" if done.returncode == 0 else f"failed (exit {done.returncode})"), done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        partial = e.stdout or ""
+        status, output = f"timed out after {timeout:.0f} s", partial if isinstance(partial, str) else partial.decode(errors="replace")
+    seconds = round(time.perf_counter() - tick, 1)
+    print(f"[{name}] {status} in {seconds} s", flush=True)
+    return {"step": name, "status": status, "seconds": seconds, "command": " ".join(command),
+            "output_tail": "\n".join(output.strip().splitlines()[-15:])}
+
+
+def bench_rows(dry: bool, repeats: int) -> dict:
+    """The device's benchmark tables (dry: every table at :data:`TINY_SHAPE`, one repeat)."""
+    from mini_moe import bench
+
+    if dry:
+        bench.LAYER_SHAPES = {"tiny": TINY_SHAPE}
+        bench.ROUTER_SHAPES = {"tiny": TINY_SHAPE}
+        bench._SHAPES = {"tiny": TINY_SHAPE}
+    out = {"machine": bench.machine()}
+    for part in BENCH_PARTS:
+        if dry and part == "training":
+            continue  # the quick Fashion-MNIST model of every router: minutes on a CPU, nothing tiny about it
+        tick = time.perf_counter()
+        out[part] = bench.PARTS[part](repeats)
+        out[f"{part}_seconds"] = round(time.perf_counter() - tick, 1)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="the JSON to write")
+    parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes, chapter 1 at the quick scale")
+    parser.add_argument("--repeats", type=int, default=None, help="benchmark repeats (default 10; dry 1)")
+    args = parser.parse_args(argv)
+    import jax
+
+    device = jax.devices()[0]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    python = sys.executable
+    units = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *UNIT_FILES]
+    chapter_env = dict(env, MINI_MOE_SCALE="quick" if args.dry else "full")
+    chapter = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "--nbval-lax",
+               "--nbval-current-env", DRY_CHAPTER if args.dry else CHAPTER]
+    steps = [run_step("units", units + (["-k", DRY_UNITS] if args.dry else []), env, 240 if args.dry else 300),
+             run_step("chapter", chapter, chapter_env, 240 if args.dry else 240)]
+    tick = time.perf_counter()
+    try:
+        rows = bench_rows(args.dry, args.repeats or (1 if args.dry else 10))
+        steps.append({"step": "bench", "status": "ok", "seconds": round(time.perf_counter() - tick, 1)})
+    except Exception as e:  # recorded; the JSON is still written
+        rows = {}
+        steps.append({"step": "bench", "status": f"failed ({type(e).__name__}: {e})",
+                      "seconds": round(time.perf_counter() - tick, 1)})
+    record = {"what": "issue 55 §3's device check: unit tests, one chapter at the full configuration, the benchmarks",
+              "dry": args.dry, "device": device.device_kind, "platform": device.platform,
+              "devices": len(jax.devices()), "command": " ".join(["python", ".ci/device_check.py", *(argv or sys.argv[1:])]),
+              "steps": steps, "bench": rows}
+    pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.out}: " + ", ".join(f"{s['step']} {s['status']}" for s in steps), flush=True)
+    return 0 if all(s["status"] == "ok" for s in steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

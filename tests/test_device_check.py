@@ -1,0 +1,33 @@
+"""The device check (issue 55 §3) in its dry mode: the same steps as on a lent accelerator, with
+tiny shapes on the CPU, so the script that the next device runs first cannot rot."""
+
+import json
+import subprocess
+import sys
+
+from ci_scripts import load
+
+device_check = load("device_check")
+
+
+def test_the_dry_run_takes_every_step_and_records_the_device(tmp_path):
+    out = tmp_path / "device-check.json"
+    done = subprocess.run([sys.executable, ".ci/device_check.py", "--dry", "--out", str(out)], capture_output=True,
+                          text=True, timeout=900, cwd=device_check.ROOT)
+    record = json.loads(out.read_text())
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert record["dry"] and record["platform"] == "cpu" and record["device"]
+    assert [s["step"] for s in record["steps"]] == ["units", "chapter", "bench"]
+    assert all(s["status"] == "ok" for s in record["steps"]), record["steps"]
+    assert "passed" in record["steps"][0]["output_tail"] and "failed" not in record["steps"][0]["output_tail"]
+    dropless = record["bench"]["dropless"]
+    assert {r["k"] for r in dropless} == {1, 2} and all("blocked_time_ratio" in r and "time_ratio" in r for r in dropless)
+    routers = {r["router"] for r in record["bench"]["routers_reference"]}
+    assert {"softmax_token_choice", "softmax_expert_choice", "soft_moe", "sinkhorn_token_choice"} <= routers
+
+
+def test_a_failing_or_hanging_step_is_recorded_not_hidden():
+    failed = device_check.run_step("x", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], {}, 60)
+    assert failed["status"] == "failed (exit 3)" and "boom" in failed["output_tail"]
+    slow = device_check.run_step("y", [sys.executable, "-c", "import time; time.sleep(30)"], {}, 1)
+    assert slow["status"] == "timed out after 1 s"
