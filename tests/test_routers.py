@@ -268,6 +268,9 @@ def test_registered_routers_outputs_are_unchanged():
     # Since 0.4 (issue 26) Token Choice routers also report their load's max violation (Wang et al.);
     # every recorded output is unchanged.
     added |= {key for key in now if key.endswith("/metric_max_violation")}
+    # Since issue 52 §4 they also report the load itself (``pick_load``, [E]), from which an
+    # accumulated step computes the whole batch's max violation; every recorded output is unchanged.
+    added |= {key for key in now if key.endswith("/metric_pick_load")}
     assert sorted(set(now) - added) == sorted(recorded)
     # The sparsity-constrained solver changed on purpose (0.2: warm start, reused top-C sets, momentum):
     # its plan decides which tokens fill the slots, so those outputs must be as valid and no worse
