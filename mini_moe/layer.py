@@ -102,7 +102,8 @@ def scatter_slots(out: Array, token: Array, weight: Array, num_tokens: int) -> A
 
 
 def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
-               combine_scores: Array | None = None, min_score: float | None = None) -> Array:
+               combine_scores: Array | None = None, min_score: float | None = None,
+               max_picks: int | None = None) -> Array:
     """Dropless Token Choice by sorting: every token goes to its top-k experts, whatever the load.
 
     Equal to :func:`moe` with Token Choice at a capacity of T (no drops) and ``combine_scores``
@@ -120,6 +121,12 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
       min_score: None, or a pick whose score is not above it is not made (ReLU routing: k = E,
         ``min_score = 0``): it is sorted past every expert's rows, in no group, so a grouped
         matmul that skips those rows (the blocked kernel) computes only the picks made.
+      max_picks: None (every token's k picks are sorted and stored: ``N k`` rows, N the tokens
+        of all leading axes), or a static bound M on the picks made in the call: only the M picks
+        with the largest scores are sorted, stored and computed (``M`` rows). With ReLU routing,
+        where a token makes any number of picks, this is what keeps the layer sparse: ``N E``
+        rows without it. When more than M picks are made, those with the smallest scores are
+        dropped (the overflow rule; :func:`overflow` counts them).
 
     Returns:
       ``[..., T, D_out]``.
@@ -138,19 +145,37 @@ def moe_sorted(x: Array, scores: Array, experts: "MlpExperts", *, k: int = 1,
     if min_score is not None:  # picks not made go to a sentinel expert E, sorted last, in no group
         made = values > min_score
         picks, gates = jnp.where(made, picks, num_experts), jnp.where(made, gates, 0)
-    expert = picks.reshape(-1)  # [N k], pick j of token n at n * k + j
-    order, group_sizes = sort_by_expert(expert, num_experts + (min_score is not None))
+    expert, gates, made = picks.reshape(-1), gates.reshape(-1), made.reshape(-1)  # [N k]: pick j of token n at n k + j
+    token = jnp.arange(expert.shape[0]) // k
+    if max_picks is not None and not (isinstance(max_picks, int) and max_picks >= 1):
+        raise InputError(f"max_picks must be an int >= 1 (a static bound on the picks made), got {max_picks!r}.")
+    if max_picks is not None and max_picks < expert.shape[0]:  # the M picks of largest score; the rest are not made
+        keep = jax.lax.top_k(jnp.where(made, values.reshape(-1), -jnp.inf), max_picks)[1]  # [M]
+        expert, gates, made, token = expert[keep], gates[keep], made[keep], token[keep]
+        expert = jnp.where(made, expert, num_experts)
+    order, group_sizes = sort_by_expert(expert, num_experts + (min_score is not None or max_picks is not None))
     group_sizes = group_sizes[:num_experts]
-    token = order // k
-    chosen = made.reshape(-1)[order][:, None]  # [N k, 1]: the sorted rows that belong to a group
+    token = token[order]
+    chosen = made[order][:, None]  # [rows, 1]: the sorted rows that belong to a group
     rows = experts.ragged(jnp.where(chosen, tokens[token], 0), expert[order], group_sizes)  # [N k, D_out]
     # A grouped matmul need not write the rows outside every group (megablox leaves them as they
     # were: NaN under Pallas' interpreter, forward and backward), so those rows are selected away
     # on the way in and out, never multiplied by a zero gate (NaN * 0 = NaN): a select's gradient
     # sends nothing to the rows it drops.
-    rows = jnp.where(chosen, rows, 0) * gates.reshape(-1)[order][:, None].astype(rows.dtype)
+    rows = jnp.where(chosen, rows, 0) * gates[order][:, None].astype(rows.dtype)
     out = jnp.zeros((tokens.shape[0], rows.shape[-1]), rows.dtype).at[token].add(rows)
     return out.reshape(x.shape[:-1] + (rows.shape[-1],))
+
+
+def overflow(scores: Array, *, k: int, min_score: float | None, max_picks: int | None) -> Array:
+    """The share of the picks made that :func:`moe_sorted`'s bound ``max_picks`` drops (0 when
+    there is no bound or it holds): ``max(made - M, 0) / made`` over all tokens of ``scores
+    [..., T, E]``, a float32 scalar."""
+    values = jax.lax.top_k(scores, k)[0]
+    made = jnp.sum(values > min_score) if min_score is not None else jnp.asarray(values.size)
+    if max_picks is None:
+        return jnp.zeros((), jnp.float32)
+    return (jnp.maximum(made - max_picks, 0) / jnp.maximum(made, 1)).astype(jnp.float32)
 
 
 GROUPED_KERNELS = ("auto", "ragged_dot", "megablox", "blocked")

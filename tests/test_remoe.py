@@ -203,3 +203,46 @@ def test_chapter_9s_one_layer_model_moves_remoes_lambda_as_the_vit_does():
     with eval_mode(layer):
         layer(x)
     assert float(gates.l1_weight[...]) == moved
+
+
+def test_a_bound_on_the_picks_keeps_relu_routing_sparse_and_drops_the_smallest_gates():
+    """Issue 52 §1 (review N2): with ``max_picks`` = M, moe_sorted sorts, stores and computes M
+    rows instead of every token's E picks. Within the bound the output equals the unbounded
+    layer's (and its gradients); beyond it, the M picks of largest gate are kept: the result equals
+    the unbounded layer on gates whose smaller entries are zeroed, and overflow() reports the share
+    dropped."""
+    from mini_moe import layer
+
+    x = jax.random.normal(jax.random.key(7), (2, T, D))
+    logits = jax.random.normal(jax.random.key(8), (2, T, E))
+    made = int(jnp.sum(logits > 0))
+    experts = MlpExperts(E, D, 8, rngs=nnx.Rngs(1), kernel="blocked")
+    seen = []
+    original = layer.grouped_matmul
+
+    def recording(rows, weights, group_sizes, **kwargs):
+        seen.append(rows.shape[0])
+        return original(rows, weights, group_sizes, **kwargs)
+
+    def run(logits, bound):
+        return layer.moe_sorted(x, jax.nn.relu(logits), experts, k=E, min_score=0.0, max_picks=bound)
+
+    every = run(logits, None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(layer, "grouped_matmul", recording)
+        within = run(logits, made + 3)
+    assert seen == [made + 3, made + 3]  # M rows, not 2 T E = 256
+    np.testing.assert_allclose(within, every, rtol=1e-5, atol=1e-6)
+    grad = lambda bound: jax.grad(lambda l: jnp.sum(jnp.sin(run(l, bound))))(logits)
+    np.testing.assert_allclose(grad(made + 3), grad(None), rtol=1e-4, atol=1e-6)
+    assert float(layer.overflow(jax.nn.relu(logits), k=E, min_score=0.0, max_picks=made + 3)) == 0.0
+    # beyond the bound: the smallest positive gates are the ones dropped
+    bound = made // 2
+    threshold = jnp.sort(jnp.where(logits > 0, logits, jnp.inf).reshape(-1))[made - bound - 1]
+    kept = jnp.where(logits > threshold, logits, -1.0)
+    assert int(jnp.sum(kept > 0)) == bound
+    np.testing.assert_allclose(run(logits, bound), run(kept, None), rtol=1e-5, atol=1e-6)
+    assert float(layer.overflow(jax.nn.relu(logits), k=E, min_score=0.0, max_picks=bound)) == pytest.approx(
+        (made - bound) / made)
+    with pytest.raises(ValueError, match="max_picks must be an int >= 1"):
+        run(logits, 0)
