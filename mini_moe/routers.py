@@ -213,7 +213,10 @@ class SigmoidGates(Affinity):
     """DeepSeek-V3's affinity (arXiv 2412.19437, Sec. 2.1.2; Wang et al. 2024, arXiv 2408.15664):
     sigmoid scores ``s = sigmoid(XW)``; each token's k experts are its top k of ``s + b``, with a
     per-expert bias ``b`` (:class:`ExpertBias`) that balances the load without an auxiliary loss;
-    the gate values are the *unbiased* scores of the chosen experts, normalised over the k.
+    the gate values are the *unbiased* scores of the chosen experts, normalised over the k. At
+    k = 1 the gate is the chosen score itself, not normalised (as Megatron-LM's sigmoid router
+    does): normalised it would be 1 for every token, and the task would send the router's
+    weights no gradient (Megatron-LM#894's failure). DeepSeek-V3 routes to k = 8.
 
     In training mode every call updates the bias from the load of the whole batch it routed
     (all groups): ``b_e += bias_rate * sign(mean load - load_e)``, so an overloaded expert
@@ -295,7 +298,8 @@ class SigmoidGates(Affinity):
         picks = jax.lax.top_k(selection, budget.k)[1]
         chosen = jax.nn.one_hot(picks, self.num_experts, dtype=scores.dtype).sum(-2)  # [..., T, E]: 0/1
         gates = scores * chosen
-        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+        if budget.k > 1:  # normalised over the k; at k = 1 that is 1, and the router would get no gradient
+            gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
         load = chosen.reshape(-1, self.num_experts).sum(0)  # picks per expert, whole batch
         if not self.deterministic and self.bias_rate > 0 and not self.defer:
             self.update_bias(load)
@@ -890,8 +894,9 @@ def sigmoid_loss_free(dim, num_experts, *, k=2, capacity_factor=None, batch_prio
                       rngs: nnx.Rngs) -> Router:
     """DeepSeek-V3's gating (arXiv 2412.19437, Sec. 2.1.2): sigmoid scores, top-k on scores plus
     a balancing bias updated without an auxiliary loss, gates normalised over the k; Token
-    Choice (Algorithm 1) allocates. k = 2 by default: with k = 1 the normalised gate is always 1,
-    so the router's weights would get no gradient from the task. Options: :class:`SigmoidGates`."""
+    Choice (Algorithm 1) allocates. k = 2 by default; at k = 1 the gate is the chosen score, not
+    normalised (normalised it would be 1, and the router would learn nothing from the task).
+    Options: :class:`SigmoidGates`."""
     affinity = SigmoidGates(dim, num_experts, bias_rate=bias_rate, seq_balance=seq_balance, balance_scope=balance_scope,
                             num_groups=num_groups, top_groups=top_groups, deterministic=deterministic, rngs=rngs)
     affinity.check(k)

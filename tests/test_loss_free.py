@@ -3,6 +3,7 @@ arXiv 2412.19437, Sec. 2.1.2), group-limited routing, the sequence-wise balance 
 and the global-batch balance loss (Qwen, arXiv 2501.11873), each against its paper's definition
 computed independently in NumPy."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -243,20 +244,20 @@ def test_bias_update_runs_under_jit_and_grad():
     assert not any("bias" in map(str, path) for path, _ in nnx.to_flat_state(nnx.state(grads)))
 
 
-def test_at_k1_the_normalised_gate_is_one_and_sends_the_router_no_gradient():
-    """With k = 1 the gate, normalised over the one chosen expert, is exactly 1 whatever the
-    scores: a layer's output does not depend on the router's weights except through the choice,
-    so the task gives them a zero gradient (chapter 12 measures what that costs); at k = 2 it
-    does not vanish."""
+def test_at_k1_the_gate_is_the_chosen_score_and_the_router_learns_from_the_task():
+    """With k = 1 the gate normalised over the one chosen expert would be exactly 1 whatever the
+    scores, and the task would send the router's weights no gradient (code review B7; chapter 12
+    measured what that cost). At k = 1 the gate is the chosen expert's sigmoid score itself, as in
+    Megatron-LM's sigmoid router: the router gets a task gradient as large as at k = 2's order."""
+    x = jnp.asarray(_x())
     grads = {}
     for k in (1, 2):
-        router = mm.make_router("sigmoid_loss_free", D, E, k=k, capacity_factor=float(k), deterministic=True,
+        router = mm.make_router("sigmoid_loss_free", D, E, k=k, capacity_factor=float(E), deterministic=True,
                                 rngs=nnx.Rngs(0))
-        out = router(jnp.asarray(_x()))
         if k == 1:
-            combine = np.asarray(out.routing.combine).sum((-2, -1))  # per token: its one gate, or 0 if dropped
-            assert set(np.round(np.unique(combine), 6)) <= {0.0, 1.0}
-        grads[k] = nnx.grad(lambda r: jnp.sum(jnp.sin(r(jnp.asarray(_x())).routing.combine)))(router)
+            scores = np.asarray(jax.nn.sigmoid(x @ router.affinity.dense.kernel[...]))
+            gate = np.asarray(router(x).routing.combine).sum((-2, -1))  # per token: its one gate (no drops)
+            np.testing.assert_allclose(gate, scores.max(-1), rtol=1e-6)
+        grads[k] = nnx.grad(lambda r: jnp.sum(jnp.sin(r(x).routing.combine)))(router)
     g1, g2 = (float(jnp.abs(grads[k].affinity.dense.kernel[...]).max()) for k in (1, 2))
-    # s / s is 1 analytically; in float32 its derivative is round-off (eps 1.2e-7 relative)
-    assert g2 > 1e-3 and g1 < 1e-5 * g2, (g1, g2)
+    assert g1 > 0.1 * g2 and g2 > 1e-3, (g1, g2)
