@@ -18,6 +18,7 @@ keep a trained model in one small file (float16 weights).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -32,19 +33,30 @@ from mini_moe.validate import InputError
 PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999")
 
 
+def _routed_factor(cfg, factor: float) -> float:
+    """The routers' capacity factor for the configuration's factor ``factor``: what
+    :meth:`mini_moe.model.ModelConfig.routed_options` makes of it (``m c - K_s`` with fine-grained
+    and shared experts; ``c`` itself otherwise)."""
+    kwargs = dict(cfg.router_kwargs) | {"capacity_factor": float(factor)}
+    return dataclasses.replace(cfg, router_kwargs=tuple(kwargs.items())).routed_options()["capacity_factor"]
+
+
 @contextlib.contextmanager
 def capacity(model, factor: float | None):
     """Route with capacity factor ``factor`` in every MoE layer whose router has one (Token and
     Expert Choice; Soft MoE has none), for the block; the trained factors come back afterwards.
+    ``factor`` means what the model's configuration means by it (``router_kwargs``'
+    ``capacity_factor``): with fine-grained and shared experts the routers get ``m c - K_s``.
     ``None`` changes nothing."""
     routers = [block.mlp.router for block in model.blocks if block.use_moe]
     saved = [(r, r.capacity_factor) for r in routers if hasattr(r.allocation, "capacity_factor")]
     if factor is not None and not factor > 0:
         raise InputError(f"capacity_factor must be > 0, got {factor!r}.")
     try:
-        if factor is not None:
+        if factor is not None and saved:
+            routed = _routed_factor(model.cfg, factor)
             for r, _ in saved:
-                r.capacity_factor = float(factor)
+                r.capacity_factor = routed
         yield model
     finally:
         for r, value in saved:
@@ -104,8 +116,13 @@ def has_capacity(model) -> bool:
 
 
 def trained_capacity(model) -> float | None:
-    """The capacity factor the model was trained with (None without one: Soft MoE, dropless)."""
-    return float(_moe_layers(model)[0].mlp.router.capacity_factor) if has_capacity(model) else None
+    """The capacity factor the model was trained with, as its configuration states it (the c of
+    :func:`capacity`; None without one: Soft MoE, dropless)."""
+    if not has_capacity(model):
+        return None
+    routed = float(_moe_layers(model)[0].mlp.router.capacity_factor)
+    coarse = (routed + model.cfg.shared_experts) / model.cfg.fine_grained  # the inverse of m c - K_s
+    return float(f"{coarse:.12g}")  # without the float round-off of m c - K_s (0.7, not 0.6999...98)
 
 
 def offered_capacities(model, capacities) -> list[float] | list[None]:
@@ -122,7 +139,7 @@ def _route(model, batch, capacity_factor):
     factor = capacity_factor if has_capacity(model) else None
     with capacity(model, factor), evaluate.eval_mode(model):
         out = evaluate._forward(model, np.asarray(batch), return_routing=True)
-        factor = float(_moe_layers(model)[0].mlp.router.capacity_factor) if has_capacity(model) else None
+    factor = trained_capacity(model) if factor is None else float(factor)
     return [(np.asarray(rt.dispatch), np.asarray(rt.combine)) for rt in out.routings], factor
 
 

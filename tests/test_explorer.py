@@ -173,3 +173,28 @@ def test_the_explorer_opens_at_the_trained_capacity_factor(images):
     assert m["capacities"] == [0.5, 1.0, 1.25, 2.0] and m["trained_capacity"] == 1.25 and "1.25" in m["views"]
     pytest.importorskip("ipywidgets")
     assert explorer.Explorer(model, images).capacity.value == 1.25
+
+
+def test_the_capacity_slider_means_the_configurations_factor_on_a_fine_grained_model(images):
+    """Code review B9: with fine_grained = m and shared_experts = K_s the routers run at
+    m c - K_s (ModelConfig.routed_options). The explorer's factor c is the configuration's: at c
+    it routes exactly as a model configured with c does, and it opens at the trained c."""
+    def fine(c):
+        cfg = config_lib.get_config("quick", dataset="digits", router="softmax_token_choice", model_fine_grained=2,
+                                    model_shared_experts=1, model_router_kwargs={"k": 1, "capacity_factor": c})
+        return train.make_model(cfg)  # the same seed: the same weights whatever c is
+
+    model = fine(2.0)
+    router = next(b.mlp.router for b in model.blocks if b.use_moe)
+    assert router.capacity_factor == 3.0  # 2 * 2 - 1
+    assert explorer.trained_capacity(model) == 2.0 and 2.0 in explorer.offered_capacities(model, (0.75, 1.5))
+    with explorer.capacity(model, 1.5):
+        assert router.capacity_factor == 2.0  # 2 * 1.5 - 1, not 1.5
+    assert router.capacity_factor == 3.0  # restored
+    configured = fine(1.5)
+    for layer in range(len(model.cfg.moe_blocks())):
+        slid = explorer.routing_view(model, images, image=2, layer=layer, capacity_factor=1.5)
+        built = explorer.routing_view(configured, images, image=2, layer=layer)
+        assert slid["capacity_factor"] == built["capacity_factor"] == 1.5
+        assert slid["capacity"] == built["capacity"] and slid["dropped_share"] == built["dropped_share"]
+        np.testing.assert_array_equal(slid["expert"], built["expert"])
