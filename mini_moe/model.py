@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 from typing import Any
 
@@ -28,7 +29,7 @@ _ModuleList = getattr(nnx, "List", list)
 
 from mini_moe import parallel
 from mini_moe import routers as routers_lib
-from mini_moe.layer import PATHS, MlpExperts, moe, moe_sorted
+from mini_moe.layer import PATHS, MlpExperts, moe, moe_sorted, overflow
 from mini_moe.validate import InputError, check_int
 
 Array = Any
@@ -215,9 +216,13 @@ class MoeLayer(nnx.Module):
         dropless = self.path == "dropless" and mesh is None
         out = self.router(x.astype(jnp.float32), dropless=dropless)
         if dropless:
-            a = out.affinities
-            y = moe_sorted(x, a.scores, self.experts, k=self.router.allocation.k, combine_scores=a.combine,
-                           min_score=getattr(self.router.allocation, "min_score", None))
+            a, allocation = out.affinities, self.router.allocation
+            bound = allocation.max_picks(math.prod(x.shape[:-1]))
+            y = moe_sorted(x, a.scores, self.experts, k=allocation.k, combine_scores=a.combine,
+                           min_score=allocation.min_score, max_picks=bound)
+            if bound is not None:  # the picks the bound dropped (ReMoE's first, nearly dense steps)
+                out.metrics["overflow"] = overflow(a.scores, k=allocation.k, min_score=allocation.min_score,
+                                                   max_picks=bound)
         elif mesh is None:
             y = moe(x, out.routing, self.experts, path=self.path)
         elif self.path != "auto":

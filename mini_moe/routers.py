@@ -52,6 +52,7 @@ is not ``deterministic`` (``model.train()``), and never under ``model.eval()``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -619,12 +620,16 @@ class TokenChoice:
       batch_priority: Batch Priority Routing.
       min_score: None, or picks whose score is not above it are not made (ReLU routing:
         ``k = E``, ``min_score = 0``, so a token goes to every expert with a positive gate).
+      pick_bound: None, or on the dropless path at most this many picks per token on average
+        over a call (``max_picks = ceil(pick_bound * tokens)`` of
+        :func:`mini_moe.layer.moe_sorted`: the picks of largest score are kept).
     """
 
     k: int = 1
     capacity_factor: float | None = None
     batch_priority: bool = False
     min_score: float | None = None
+    pick_bound: float | None = None
     per_image = False
 
     def __post_init__(self):
@@ -634,6 +639,12 @@ class TokenChoice:
             raise InputError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
         object.__setattr__(self, "capacity_factor", factor)
         object.__setattr__(self, "batch_priority", bool(self.batch_priority))
+        if self.pick_bound is not None and not self.pick_bound > 0:
+            raise InputError(f"pick_bound must be > 0 (picks per token on average) or None, got {self.pick_bound!r}.")
+
+    def max_picks(self, num_tokens: int) -> int | None:
+        """The dropless path's static bound on the picks of a call of ``num_tokens`` tokens."""
+        return None if self.pick_bound is None else math.ceil(self.pick_bound * num_tokens)
 
     def check(self, num_experts: int) -> None:
         if self.k > num_experts:
@@ -917,7 +928,7 @@ def group_limited(dim, num_experts, *, k=2, capacity_factor=None, batch_priority
 
 @register("remoe", allocation="token")
 def remoe(dim, num_experts, *, k=1, capacity_factor=None, l1_init=1e-8, l1_rate=1.2, l1_scope="model",
-          deterministic=False, rngs: nnx.Rngs) -> Router:
+          active_bound=2.0, deterministic=False, rngs: nnx.Rngs) -> Router:
     """ReMoE (Wang et al. 2024, arXiv 2412.14711): ReLU gates with an adaptive, load-balanced
     L1 penalty that holds k active experts per token on average (:class:`ReluGates`); every
     positive gate is a pick (:class:`TokenChoice` with k = E, ``min_score = 0``). The number of
@@ -925,11 +936,21 @@ def remoe(dim, num_experts, *, k=1, capacity_factor=None, l1_init=1e-8, l1_rate=
     ``moe_path="dropless"`` drops nothing. The auxiliary loss is lambda times the penalty; the
     controller moves lambda until the sparsity is reached, whatever weight the training loss
     gives the auxiliary losses. ``l1_scope``: one lambda for the model (``"model"``, ReMoE's
-    reference, moved by :class:`mini_moe.model.VisionMoE`) or one per layer (``"layer"``)."""
+    reference, moved by :class:`mini_moe.model.VisionMoE`) or one per layer (``"layer"``).
+
+    ``active_bound``: on the dropless path at most ``active_bound * k`` picks per token on average
+    over a call are sorted, stored and computed (None: all ``E`` pairs of every token). The
+    controller holds the average at k, so the default 2 leaves room for twice that; beyond it the
+    smallest positive gates are dropped and the layer's ``overflow`` metric says how many. ReMoE's
+    first steps, before lambda has grown (it starts at ``l1_init``), are nearly dense, and that is
+    where the bound drops picks. ``mini_moe/results/remoe_sparse.py`` measures time and memory
+    against dropless top-k."""
     affinity = ReluGates(dim, num_experts, target_k=k, l1_init=l1_init, l1_rate=l1_rate, l1_scope=l1_scope,
                          deterministic=deterministic, rngs=rngs)
+    if active_bound is not None and not active_bound > 0:
+        raise InputError(f"active_bound must be > 0 (picks per token, in units of k) or None, got {active_bound!r}.")
     return Router(affinity, TokenChoice(num_experts, k if capacity_factor is None else capacity_factor,
-                                        min_score=0.0))
+                                        min_score=0.0, pick_bound=None if active_bound is None else active_bound * k))
 
 
 @register("hash", allocation="token")

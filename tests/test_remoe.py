@@ -246,3 +246,28 @@ def test_a_bound_on_the_picks_keeps_relu_routing_sparse_and_drops_the_smallest_g
         (made - bound) / made)
     with pytest.raises(ValueError, match="max_picks must be an int >= 1"):
         run(logits, 0)
+
+
+def test_remoes_dropless_layer_is_bounded_by_active_bound_and_reports_its_overflow():
+    """The ``remoe`` router's ``active_bound`` (default 2) becomes the dropless layer's static
+    bound, ``ceil(active_bound * k * tokens)`` picks per call; the layer's ``overflow`` metric is
+    the share of picks made beyond it. With None, every pair is kept and nothing is reported."""
+    from mini_moe import layer
+
+    x = jax.random.normal(jax.random.key(4), (2, T, D))
+    experts = MlpExperts(E, D, 8, rngs=nnx.Rngs(1), kernel="blocked")
+    make = lambda bound: MoeLayer(_router(k=1, deterministic=True, active_bound=bound), experts, path="dropless")
+    scores = _router(k=1, deterministic=True)(x).affinities.scores
+    made = int(jnp.sum(scores > 0))
+    tight = 0.5  # half a pick per token: half of the 2 T tokens' picks at most, fewer than those made
+    assert made > tight * 2 * T
+    y, out = make(tight)(x)
+    want = layer.moe_sorted(x, scores, experts, k=E, min_score=0.0, max_picks=int(tight * 2 * T))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    assert float(out.metrics["overflow"]) == pytest.approx((made - tight * 2 * T) / made)
+    y_all, out_all = make(None)(x)
+    np.testing.assert_allclose(y_all, layer.moe_sorted(x, scores, experts, k=E, min_score=0.0), rtol=1e-5, atol=1e-6)
+    assert "overflow" not in out_all.metrics
+    assert routers.make_router("remoe", D, E, rngs=nnx.Rngs(0)).allocation.max_picks(100) == 200  # the default, 2 k
+    with pytest.raises(ValueError, match="active_bound must be > 0"):
+        _router(active_bound=0.0)
