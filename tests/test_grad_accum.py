@@ -86,7 +86,17 @@ def test_an_accumulated_step_equals_one_step_on_the_whole_batch(case, digits):
     whole, split = live_head(train.make_model(whole_cfg)), live_head(train.make_model(split_cfg))
     train._step(whole, train.make_optimizer(whole, whole_cfg), (images, labels), whole_cfg)
     train._step(split, train.make_optimizer(split, split_cfg), (images, labels), split_cfg)
-    _close(_leaves(nnx.state(split, nnx.Param)), _leaves(nnx.state(whole, nnx.Param)), rtol=1e-4, atol=1e-6)
+    # Every parameter but the attention keys' biases: a key bias adds the same q.b to all of a
+    # query's logits, which the softmax ignores, so its true gradient is 0 and what is computed is
+    # round-off (~1e-9), which Adam's first step, g / (|g| + 1e-8), turns into a step of either sign.
+    # Those gradients are checked to be round-off instead.
+    params = lambda m: [(jax.tree_util.keystr(p), np.asarray(v)) for p, v in
+                        jax.tree_util.tree_leaves_with_path(nnx.state(m, nnx.Param))]
+    key_bias = lambda path: "['key']['bias']" in path
+    assert any(key_bias(p) for p, _ in params(whole))
+    assert all(np.abs(g).max() < 1e-6 for p, g in jax.tree_util.tree_leaves_with_path(grads) if key_bias(jax.tree_util.keystr(p)))
+    _close([v for p, v in params(split) if not key_bias(p)], [v for p, v in params(whole) if not key_bias(p)],
+           rtol=1e-4, atol=1e-6)
     _close(state(split), state(whole), rtol=1e-6, atol=0)
 
 
