@@ -166,3 +166,21 @@ def test_nothing_changes_in_eval_mode(name, kw):
     router(x)  # training mode: the noise's RNG count, the bias or lambda moves
     assert any(not np.array_equal(a, b) for a, b in zip(_leaves(nnx.state(router)), before))
 
+
+@pytest.mark.parametrize("case", ["loss_free_dropless", "token_choice_capacity"])
+def test_an_accumulated_step_reports_the_whole_batchs_max_violation(case, digits):
+    """Issue 52 §4: MaxVio (max load / mean load - 1) of an accumulated step is that of the whole
+    batch's summed loads, as one step on the whole batch reports it. The mean of the micro-batches'
+    MaxVio, logged before, is never smaller (max of a sum <= sum of maxes, and equal micro-batches
+    have equal mean loads) and larger whenever their most loaded experts differ."""
+    router, kw = CASES[case]
+    whole_cfg, split_cfg = _cfg(router, **kw), _cfg(router, grad_accum=4, **kw)
+    images, labels = train.batch_at(digits[0], whole_cfg, 0)
+    whole, split = live_head(train.make_model(whole_cfg)), live_head(train.make_model(split_cfg))
+    one = train._step(whole, train.make_optimizer(whole, whole_cfg), (images, labels), whole_cfg)
+    accumulated = train._step(split, train.make_optimizer(split, split_cfg), (images, labels), split_cfg)
+    assert float(accumulated["router"]["max_violation"]) == pytest.approx(float(one["router"]["max_violation"]), rel=1e-5)
+    _, _, _, _, metrics = ACCUMULATED(live_head(train.make_model(split_cfg)), jax.numpy.asarray(images),
+                                      jax.numpy.asarray(labels), split_cfg.aux_loss_weight, 4)
+    mean_of_parts = np.mean([[float(layer["max_violation"]) for layer in m] for m in metrics])
+    assert mean_of_parts > float(one["router"]["max_violation"]) + 1e-3
