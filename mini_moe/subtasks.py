@@ -34,7 +34,7 @@ import optax
 from flax import nnx
 
 from mini_moe import routers as routers_lib
-from mini_moe import study
+from mini_moe import study, train
 from mini_moe.evaluate import assignment_counts, eval_mode
 from mini_moe.layer import MlpExperts
 from mini_moe.model import MoeLayer
@@ -248,7 +248,7 @@ def run(cfg: SubtaskConfig, *, test_groups: int = 32, data_seed: int = 0, return
     valid = teacher.sample(np.random.default_rng(20_000 + data_seed), test_groups) if cfg.patience else None
     best = []  # (step, best validation FVU so far)
     rng = np.random.default_rng(cfg.seed)
-    layer = SubtaskLayer(cfg, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
+    layer = SubtaskLayer(cfg, rngs=train.model_rngs(cfg.seed))
     optimizer = nnx.Optimizer(layer, _adam(cfg.learning_rate), wrt=nnx.Param)
     curve, tick = [], time.perf_counter()
     for step in range(1, cfg.steps + 1):

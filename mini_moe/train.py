@@ -48,10 +48,23 @@ Array = Any
 # ------------------------------------------------------------------ construction
 
 
+#: The tag folded into a seed's key to give the noise stream its base key. Any value the
+#: parameter stream's draw counter never reaches would do (it counts the model's initialisers).
+NOISE_STREAM = 0x6E6F6973
+
+
+def model_rngs(seed: int) -> nnx.Rngs:
+    """The random streams of a model of ``seed``: ``params`` from ``jax.random.key(seed)`` and
+    ``noise`` (the routers' exploration noise) from that key folded with :data:`NOISE_STREAM`.
+    Folding keeps every seed's two streams apart from each other and from the other seeds'
+    (``noise=seed + 1``, as before, gave seed s the noise base key of seed s + 1's parameters)."""
+    return nnx.Rngs(params=seed, noise=jax.random.fold_in(jax.random.key(seed), NOISE_STREAM))
+
+
 def make_model(cfg: TrainConfig) -> VisionMoE:
     """The model of ``cfg``, initialised from ``cfg.seed`` (with ``grad_accum > 1``, its routers
     leave their own state updates to the training step: :func:`mini_moe.routers.defer_updates`)."""
-    model = VisionMoE(cfg.model, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
+    model = VisionMoE(cfg.model, rngs=model_rngs(cfg.seed))
     if cfg.grad_accum > 1:
         routers_lib.defer_updates(model)
     return model

@@ -703,3 +703,27 @@ def test_kept_checkpoints_give_the_model_at_each_budget(tmp_path, digits):
         train.load_trained(tmp_path / "long", step=2)
     with pytest.raises(ValueError, match="keep_every must be a multiple of checkpoint_every"):
         _cfg(checkpoint_every=2, keep_every=3)
+
+
+def test_each_seed_has_noise_and_parameter_streams_of_its_own():
+    """Code review B8: ``noise=seed + 1`` gave seed s the noise base key of seed s + 1's
+    parameters. The noise base key of every seed differs from every seed's parameter base key
+    and from the first draws of its own parameter stream (which folds in a draw counter)."""
+    def key_data(key):
+        return tuple(np.asarray(jax.random.key_data(key)).ravel().tolist())
+
+    seeds = range(16)
+    params = {key_data(train.model_rngs(s).params.key[...]) for s in seeds}
+    noise = {key_data(train.model_rngs(s).noise.key[...]) for s in seeds}
+    assert len(params) == len(noise) == len(seeds)
+    assert not params & noise
+    for s in seeds:
+        base = train.model_rngs(s).params.key[...]
+        draws = {key_data(jax.random.fold_in(base, c)) for c in range(256)}
+        assert key_data(train.model_rngs(s).noise.key[...]) not in draws
+    # the model of a config draws its routers' noise from seed 3's noise stream: each noisy
+    # router forks the next key of that stream
+    model = train.make_model(config_lib.TrainConfig(model=ModelConfig(router="softmax_token_choice"), seed=3))
+    forked = {key_data(m.rngs.key[...]) for _, m in nnx.iter_graph(model) if hasattr(m, "noise_std")}
+    noise_base = train.model_rngs(3).noise.key[...]
+    assert forked and forked == {key_data(jax.random.fold_in(noise_base, c)) for c in range(len(forked))}

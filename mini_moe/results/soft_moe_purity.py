@@ -19,9 +19,8 @@ import os
 import pathlib
 import sys
 
-from flax import nnx
 
-from mini_moe import bench, subtasks
+from mini_moe import bench, subtasks, train
 
 RESULTS = pathlib.Path(__file__).resolve().parent
 OUT = RESULTS / f"subtasks-soft_moe-purity-{os.environ.get('MACHINE', 'cpu-2core-epyc')}.json"
@@ -39,7 +38,7 @@ def measure(seed: int) -> dict:
     twin = committed(seed)
     cfg = subtasks.SubtaskConfig(**twin["config"])
     result, layer, (x, _, task) = subtasks.run(cfg, return_layer=True)
-    untrained = subtasks.SubtaskLayer(cfg, rngs=nnx.Rngs(params=cfg.seed, noise=cfg.seed + 1))
+    untrained = subtasks.SubtaskLayer(cfg, rngs=train.model_rngs(cfg.seed))
     return {"seed": seed, "config": dataclasses.asdict(cfg), "steps": result["steps"], "stopped": result["stopped"],
             "fvu": result["final"]["fvu"], "seconds": result["seconds"],
             "purity": subtasks.slot_purity(layer, x, task, cfg.tasks),
