@@ -113,6 +113,33 @@ def test_the_bias_moves_once_per_step_not_once_per_micro_batch(digits):
     assert max(np.max(np.abs(b)) for b in _leaves(nnx.state(eager, routers.ExpertBias))) > 0.05 + 1e-6
 
 
+@pytest.mark.parametrize("target", ["between_the_mean_and_the_last", "between_the_first_and_the_mean"])
+def test_remoe_lambda_moves_once_by_the_whole_batch_sparsity(target, digits):
+    """Code review T3: lambda's step is a sign, so a test must put the controller's target
+    between the whole batch's sparsity and one micro-batch's; otherwise a lambda stepped from the
+    last (or the first) micro-batch moves the same way. Both placements are tested."""
+    cfg = _cfg("remoe", grad_accum=2, model_router_kwargs={"l1_init": 1e-3, "l1_rate": 1.5})
+    images, labels = (jax.numpy.asarray(a) for a in train.batch_at(digits[0], cfg, 0))
+    # each micro-batch's sparsity as the controller reads it (averaged over the layers); a deferred
+    # model's forward pass moves nothing, and lambda does not change which gates are zero
+    probe, half = train.make_model(cfg), len(images) // 2
+    first, last = (float(np.mean([m["sparsity"] for m in probe(images[i * half:(i + 1) * half]).metrics]))
+                   for i in range(2))
+    mean = (first + last) / 2
+    assert abs(first - last) > 1e-3  # the micro-batches differ enough to tell them apart
+    point = (mean + last) / 2 if target == "between_the_mean_and_the_last" else (first + mean) / 2
+    model = train.make_model(cfg)
+    gates = [n for _, n in nnx.iter_graph(model) if isinstance(n, routers.ReluGates)]
+    assert gates
+    for g in gates:  # target sparsity 1 - k / E at the chosen point
+        g.target_k = g.num_experts * (1.0 - point)
+    ACCUMULATED(model, images, labels, cfg.aux_loss_weight, 2)
+    whole, one = np.sign(point - mean), np.sign(point - (last if target == "between_the_mean_and_the_last" else first))
+    assert whole != one  # the placement separates the whole batch from that micro-batch
+    for g in gates:
+        assert float(g.l1_weight[...]) == pytest.approx(1e-3 * 1.5 ** whole, rel=1e-6)
+
+
 def test_accumulation_is_checked_and_resumes_exactly(tmp_path, digits, monkeypatch):
     with pytest.raises(ValueError, match="multiple of grad_accum=3"):
         _cfg("softmax_token_choice", grad_accum=3)
