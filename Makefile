@@ -21,7 +21,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: device-check pin check-pin venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
+.PHONY: mutants device-check pin check-pin venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
 
 venv: $(STAMP)
 
@@ -230,6 +230,14 @@ dist: venv
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m build --outdir dist . > dist.log 2>&1 || { cat dist.log; exit 1; }
 	@if grep -i "warning" dist.log; then echo "python -m build printed the warnings above (full log: dist.log)" >&2; exit 1; fi
 	$(PY) -m twine check --strict dist/*
+
+# Mutation testing of routing.py, layer.py and losses.py (issue 52 §3; not part of `make test`): one
+# CPU core, a throw-away copy in /tmp/mutants-work, resumable (/tmp/mutants-results.jsonl), then the
+# report mini_moe/results/mutants-cpu-2core-epyc.json. MUTANTS_ARGS: e.g. --module losses --limit 5.
+MUTANTS_ARGS ?= --sample 160
+mutants: venv
+	$(PY) .ci/mutants.py --resume $(MUTANTS_ARGS)
+	$(PY) .ci/mutants.py --report $(MUTANTS_ARGS)
 
 clean:
 	rm -rf _build .pytest_cache .hypothesis

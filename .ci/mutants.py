@@ -1,0 +1,530 @@
+"""Mutation testing of mini_moe's core (issue 52 §3): routing.py, layer.py, losses.py.
+
+Generates first-order mutants with ``ast`` and runs a fast, targeted pytest subset against each
+one in a throw-away copy of the repository (``--work``, default /tmp/mutants-work); the
+repository's own ``mini_moe/`` is never written. A mutant is *killed* when the subset fails,
+*timeout* when it runs past ``--timeout-factor`` times the unmutated run (counted as killed),
+*error* when the mutated module does not even import (counted as killed, reported apart), and
+*survived* when every test passes.
+
+Mutation operators (each mutant changes one expression; the id is ``module:line:col:operator``):
+
+* ``binop``   arithmetic swap: + <-> -, * -> /, / -> *, // -> *, ** -> *, % -> //, | <-> &;
+* ``compare`` < <-> <=, > <-> >=, == <-> !=, in <-> not in, is <-> is not;
+* ``boolop``  and <-> or;
+* ``unary``   removal of a unary minus or of ``not``;
+* ``const``   an int n -> n + 1 (0 -> 1, 1 -> 0), a float x -> 2 x (0.0 -> 1.0), True <-> False;
+* ``axis``    ``axis=a`` -> the neighbouring axis (a - 1, or a + 1 for a = -1 ... stays negative);
+* ``call``    ``max`` <-> ``min``, ``argmax`` <-> ``argmin``, ``maximum`` <-> ``minimum``,
+  ``sum`` <-> ``mean``, ``any`` <-> ``all``, ``zeros`` <-> ``ones`` (also ``_like``), ``floor`` <->
+  ``ceil``, ``argsort`` -> its reverse;
+* ``nostopgrad`` ``jax.lax.stop_gradient(x)`` -> ``x``;
+* ``where``   ``jnp.where(c, a, b)`` -> ``jnp.where(c, b, a)``;
+* ``ifnot``   ``if c:`` -> ``if not (c):`` (not on an ``if`` whose body only raises: those are
+  input checks, whose messages the tests pin separately);
+* ``slice``   a slice's upper bound u -> u - 1, lower bound l -> l + 1;
+* ``kwstr``   ``mode="drop"`` <-> ``"clip"``, ``side="right"`` <-> ``"left"``.
+
+Skipped: docstrings and every other string, f-strings, ``raise`` statements (their messages and
+arguments), the tests of ``if``s whose body only raises (input checks), type annotations,
+imports, and the integer literals of shape plumbing (``x.shape[-1]``, ``reshape(-1, ...)``),
+whose mutants fail on a shape rather than on a value. The set is sorted by id; with
+``--sample N`` it is cut deterministically to the N mutants with the smallest sha1(id) hex
+digest, and the rule is recorded in the report.
+
+Each mutant runs first against ``SUITE[module]``, a fast subset of the existing tests; a mutant
+that survives it runs against ``NEW_TESTS`` (tests/test_mutant_killers.py, the tests added to kill
+survivors), and the report classifies it "killed-by-new-test", "equivalent" (``EQUIVALENT``, with
+the reason why no input can tell it from the original) or "survived" (``SURVIVOR_NOTES``).
+
+Everything runs on one CPU core: ``taskset -c 1``, ``JAX_PLATFORMS=cpu``, ``XLA_FLAGS`` below,
+``-p no:xdist``. Each finished mutant is appended to a JSONL file (``--results``) and ids already
+there are skipped, so a run can be stopped and resumed (``--rerun`` runs them again).
+
+    .venv/bin/python .ci/mutants.py --list --sample 160      # the mutants, without running them
+    .venv/bin/python .ci/mutants.py --module losses --limit 10
+    .venv/bin/python .ci/mutants.py --resume --sample 160    # every mutant not yet in the JSONL
+    .venv/bin/python .ci/mutants.py --only 'routing:180:4:compare' --rerun
+    .venv/bin/python .ci/mutants.py --report --sample 160    # the JSONL -> the JSON report
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = ("routing", "layer", "losses")
+RESULTS = ROOT / "mini_moe" / "results"
+
+# The fast test subset per module from the existing suite, chosen by timing tests/test_routing.py,
+# test_layer.py, test_losses.py and test_bug_zoo.py on one core (--durations=0; the whole four files
+# take about 125 s, these subsets 15-35 s with start-up): the tests that call the module's functions
+# directly, without the ones that only re-check jit/vmap or other modules' capacity.
+SUITE = {
+    "routing": [
+        "tests/test_routing.py::test_capacity_known_values",
+        "tests/test_routing.py::test_capacity_rounds_halves_up_exactly",
+        "tests/test_routing.py::test_capacity_rejects_bad_input",
+        "tests/test_routing.py::test_token_choice_first_choices_before_second_choices",
+        "tests/test_routing.py::test_token_choice_drops_are_not_rerouted_and_bpr_reorders",
+        "tests/test_routing.py::test_token_choice_bpr_uses_the_same_order_in_every_round",
+        "tests/test_routing.py::test_expert_choice_known_example",
+        "tests/test_routing.py::test_pick_load_and_max_violation_count_the_demand_before_capacity",
+        "tests/test_routing.py::test_bad_inputs_raise_value_error",
+        "tests/test_routing.py::test_soft_routing_normalisations",
+        "tests/test_routing.py::test_combine_gradient_flows_to_combine_scores_only_at_picks",
+        "tests/test_routing.py::test_token_choice_invariants",
+        "tests/test_routing.py::test_token_choice_equals_algorithm_1_loop",
+        "tests/test_routing.py::test_expert_choice_invariants_and_loop",
+        "tests/test_bug_zoo.py::test_vllm_13474_group_limited_routing_never_picks_an_excluded_expert",
+        "tests/test_bug_zoo.py::test_deepspeed_1658_tokens_over_capacity_are_dropped",
+        "tests/test_bug_zoo.py::test_deepspeed_7986_a_full_expert_keeps_its_best_tokens_even_with_negative_logits",
+        "tests/test_bug_zoo.py::test_megatron_1513_the_sequence_wise_loss_counts_the_top_k_not_what_capacity_kept",
+    ],
+    "layer": [
+        "tests/test_layer.py::test_bad_inputs",
+        "tests/test_layer.py::test_moe_sorted_rejects_bad_arguments",
+        "tests/test_layer.py::test_einsum_and_gather_paths_agree_with_gradients",
+        "tests/test_layer.py::test_softmax_token_choice_with_full_capacity_is_eq_1",
+        "tests/test_layer.py::test_soft_moe_layer_is_paper_002_eq_1_2",
+        "tests/test_layer.py::test_moe_sorted_equals_dropless_token_choice",
+    ],
+    "losses": [
+        "tests/test_losses.py",
+        "tests/test_bug_zoo.py::test_transformers_28115_switch_loss_uses_the_full_softmax",
+        "tests/test_bug_zoo.py::test_megatron_5798_the_sequence_wise_loss_does_not_depend_on_the_batch_size",
+        "tests/test_bug_zoo.py::test_megatron_1513_the_sequence_wise_loss_counts_the_top_k_not_what_capacity_kept",
+    ],
+}
+# Run on a mutant that survives SUITE: the tests issue 52 §3 added to kill the survivors.
+NEW_TESTS = ["tests/test_mutant_killers.py"]
+# One-core XLA flags: one host device, and CI's cheaper compilation (the subsets compile far more
+# than they compute, and these flags halve their time; tests/ passes under them in CI).
+XLA_FLAGS = ("--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0 "
+             "--xla_cpu_use_fusion_emitters=false")
+
+# Survivors that no input can tell from the original, with the reason (filled in by hand after a
+# run; see mini_moe/results/mutants-report.md). Everything else that survives is "survived".
+EQUIVALENT: dict[str, str] = {
+}
+# Notes on the survivors that are not equivalent (why no test kills them yet).
+SURVIVOR_NOTES: dict[str, str] = {
+}
+
+SWAP_BINOP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,
+              ast.FloorDiv: ast.Mult, ast.Pow: ast.Mult, ast.Mod: ast.FloorDiv,
+              ast.BitOr: ast.BitAnd, ast.BitAnd: ast.BitOr, ast.LShift: ast.RShift}
+SWAP_CMP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq,
+            ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
+SWAP_CALL = {"max": "min", "min": "max", "argmax": "argmin", "argmin": "argmax", "maximum": "minimum",
+             "minimum": "maximum", "sum": "mean", "mean": "sum", "any": "all", "all": "any",
+             "zeros": "ones", "ones": "zeros", "zeros_like": "ones_like", "ones_like": "zeros_like",
+             "floor": "ceil", "ceil": "floor"}
+SWAP_KWSTR = {("mode", "drop"): "clip", ("mode", "clip"): "drop", ("side", "right"): "left",
+              ("side", "left"): "right"}
+
+
+class Mutant(dict):
+    """id, module, line, col, end_line, end_col, operator, replacement (source text)."""
+
+
+def _segment(lines, node):
+    """The source text of a node (possibly several lines)."""
+    if node.lineno == node.end_lineno:
+        return lines[node.lineno - 1][node.col_offset:node.end_col_offset]
+    parts = [lines[node.lineno - 1][node.col_offset:]]
+    parts += lines[node.lineno:node.end_lineno - 1]
+    parts.append(lines[node.end_lineno - 1][:node.end_col_offset])
+    return "\n".join(parts)
+
+
+def _skipped_nodes(tree):
+    """Ids of nodes that are never mutated: docstrings, raise statements, f-strings, annotations,
+    imports, and the ``if`` tests whose body only raises (input checks)."""
+    skip = set()
+
+    def mark(node):
+        for sub in ast.walk(node):
+            skip.add(id(sub))
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                mark(body[0])
+        if isinstance(node, (ast.Raise, ast.JoinedStr, ast.Import, ast.ImportFrom)):
+            mark(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if node.returns is not None:
+                mark(node.returns)
+            for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs:
+                if a.annotation is not None:
+                    mark(a.annotation)
+        if isinstance(node, ast.AnnAssign):
+            mark(node.annotation)
+        if isinstance(node, ast.If) and all(isinstance(s, ast.Raise) for s in node.body) and not node.orelse:
+            mark(node.test)  # an input check: the tests of mini_moe.validate's messages cover these
+    return skip
+
+
+def _unparse(node):
+    return ast.unparse(node)
+
+
+def generate(module: str, source: str) -> list[Mutant]:
+    """Every first-order mutant of one module, sorted by id (deduplicated on the mutated text)."""
+    tree = ast.parse(source)
+    lines = source.split("\n")
+    skip = _skipped_nodes(tree)
+    axis_values = set()  # constants with an operator of their own (axis=), or shape plumbing
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "axis":
+            for sub in ast.walk(node.value):
+                axis_values.add(id(sub))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.operand, ast.Constant):
+            axis_values.add(id(node.operand))  # a negative literal is perturbed as a whole
+        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr == "shape":
+            for sub in ast.walk(node.slice):
+                skip.add(id(sub))  # x.shape[-1]: another index fails on a shape, not on a value
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "reshape":
+            for arg in node.args:
+                for sub in ast.walk(arg):
+                    if isinstance(sub, (ast.Constant, ast.UnaryOp)):
+                        skip.add(id(sub))  # reshape(-1, ...): the same
+    out = []
+
+    def add(node, operator, replacement, paren=True):
+        text = f"({replacement})" if paren else replacement
+        if text == _segment(lines, node) or replacement == _segment(lines, node):
+            return
+        out.append(Mutant(module=module, line=node.lineno, col=node.col_offset, end_line=node.end_lineno,
+                          end_col=node.end_col_offset, operator=operator, replacement=text,
+                          id=f"{module}:{node.lineno}:{node.col_offset}:{operator}"))
+
+    def copy(node):
+        return ast.parse(_segment(lines, node).strip() if node.lineno == node.end_lineno
+                         else _unparse(node), mode="eval").body
+
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.BinOp) and type(node.op) in SWAP_BINOP:
+            new = ast.BinOp(left=node.left, op=SWAP_BINOP[type(node.op)](), right=node.right)
+            add(node, "binop", _unparse(new))
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in SWAP_CMP:
+            new = ast.Compare(left=node.left, ops=[SWAP_CMP[type(node.ops[0])]()], comparators=node.comparators)
+            add(node, "compare", _unparse(new))
+        elif isinstance(node, ast.BoolOp):
+            new = ast.BoolOp(op=ast.Or() if isinstance(node.op, ast.And) else ast.And(), values=node.values)
+            add(node, "boolop", _unparse(new))
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.Not)) \
+                and id(node) not in axis_values and id(node) not in skip:
+            if isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
+                pass  # a negative literal: the const operator below perturbs it
+            else:
+                add(node, "unary", _unparse(node.operand))
+            if isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant) \
+                    and isinstance(node.operand.value, (int, float)) and not isinstance(node.operand.value, bool):
+                v = -node.operand.value
+                add(node, "const", repr(v + 1 if isinstance(v, int) else v * 2))
+        elif isinstance(node, ast.Constant) and id(node) not in axis_values:
+            v = node.value
+            if isinstance(v, bool):
+                add(node, "const", repr(not v), paren=False)
+            elif isinstance(v, int):
+                add(node, "const", repr(1 if v == 0 else 0 if v == 1 else v + 1), paren=False)
+            elif isinstance(v, float):
+                add(node, "const", repr(1.0 if v == 0 else v * 2), paren=False)
+        elif isinstance(node, ast.keyword) and node.arg == "axis" and id(node) not in skip:
+            val = node.value
+            try:
+                a = ast.literal_eval(val)
+            except ValueError:
+                a = None
+            if isinstance(a, int):
+                b = a + 1 if a < -1 else a - 1 if a != 0 else 1
+                add(val, "axis", repr(b), paren=False)
+        elif isinstance(node, ast.keyword) and isinstance(node.value, ast.Constant) \
+                and (node.arg, node.value.value) in SWAP_KWSTR:
+            add(node.value, "kwstr", repr(SWAP_KWSTR[(node.arg, node.value.value)]), paren=False)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else None
+            if name == "stop_gradient" and len(node.args) == 1:
+                add(node, "nostopgrad", _unparse(node.args[0]))
+            elif name == "where" and len(node.args) == 3:
+                new = ast.Call(func=func, args=[node.args[0], node.args[2], node.args[1]], keywords=node.keywords)
+                add(node, "where", _unparse(new))
+            elif name in SWAP_CALL or (isinstance(func, ast.Name) and func.id in ("max", "min")):
+                if isinstance(func, ast.Attribute):
+                    new = ast.Call(func=ast.Attribute(value=func.value, attr=SWAP_CALL[name], ctx=ast.Load()),
+                                   args=node.args, keywords=node.keywords)
+                else:
+                    new = ast.Call(func=ast.Name(id=SWAP_CALL[func.id], ctx=ast.Load()), args=node.args,
+                                   keywords=node.keywords)
+                add(node, "call", _unparse(new))
+        elif isinstance(node, ast.If):
+            add(node.test, "ifnot", f"not ({_unparse(node.test)})")
+        elif isinstance(node, ast.Slice):
+            if node.upper is not None:
+                add(node.upper, "slice", f"{_unparse(node.upper)} - 1")
+            if node.lower is not None:
+                add(node.lower, "slice", f"{_unparse(node.lower)} + 1")
+    # one mutant per id (two operators cannot share a node's position and name)
+    seen, unique = set(), []
+    for m in sorted(out, key=lambda m: (m["line"], m["col"], m["operator"], m["replacement"])):
+        mid = m["id"]
+        n = 2
+        while mid in seen:
+            mid, n = f"{m['id']}#{n}", n + 1
+        m["id"] = mid
+        seen.add(mid)
+        unique.append(m)
+    return unique
+
+
+def apply(source: str, m: Mutant) -> str:
+    lines = source.split("\n")
+    first, last = lines[m["line"] - 1], lines[m["end_line"] - 1]
+    new = first[:m["col"]] + m["replacement"] + last[m["end_col"]:]
+    return "\n".join(lines[:m["line"] - 1] + [new] + lines[m["end_line"]:])
+
+
+def all_mutants(modules=MODULES, sample=None):
+    mutants = []
+    for module in modules:
+        source = (ROOT / "mini_moe" / f"{module}.py").read_text()
+        for m in generate(module, source):
+            mutated = apply(source, m)
+            try:
+                ast.parse(mutated)
+            except SyntaxError:
+                continue
+            m["original_line"] = source.split("\n")[m["line"] - 1].strip()
+            m["mutated_line"] = mutated.split("\n")[m["line"] - 1].strip()
+            mutants.append(m)
+    if sample is not None and sample < len(mutants):
+        ranked = sorted(mutants, key=lambda m: hashlib.sha1(m["id"].encode()).hexdigest())[:sample]
+        keep = {m["id"] for m in ranked}
+        mutants = [m for m in mutants if m["id"] in keep]
+    return mutants
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def env_one_core():
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS,
+               PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+    return env
+
+
+def prepare_work(work: Path):
+    """A throw-away copy of the repository's tracked Python sources (tests, package, data)."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    for sub in ("mini_moe", "tests"):
+        shutil.copytree(ROOT / sub, work / sub, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    (work / "mini_moe" / "results").mkdir(exist_ok=True)
+    for f in ("pyproject.toml", "conftest.py"):
+        if (ROOT / f).exists():
+            shutil.copy2(ROOT / f, work / f)
+
+
+def pytest_cmd(work: Path, tests, core: str):
+    return ["taskset", "-c", core, str(ROOT / ".venv" / "bin" / "python"), "-m", "pytest", *tests,
+            "-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly", "--rootdir", str(work),
+            "-W", "ignore::DeprecationWarning", "--tb=line", "-o", "addopts="]
+
+
+def run_tests(work: Path, module: str, tests, core: str, timeout: float):
+    env = env_one_core()
+    env["PYTHONPATH"] = str(work)
+    env["MUTANTS_EXPECT"] = str(work / "mini_moe" / f"{module}.py")
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(pytest_cmd(work, tests, core), cwd=work, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", None, time.monotonic() - start, ""
+    elapsed = time.monotonic() - start
+    text = proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        return "survived", None, elapsed, text
+    failed = None
+    for line in text.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            failed = line.split(" ", 1)[1].split(" - ")[0].strip()
+            break
+    outcome = "error" if proc.returncode in (2, 3, 4) or "ImportError" in text and failed is None else "killed"
+    return outcome, failed, elapsed, text[-2000:]
+
+
+def check_import(work: Path, module: str, core: str):
+    """The copy's module is the one imported (not /work/main's)."""
+    env = env_one_core()
+    env["PYTHONPATH"] = str(work)
+    code = f"import mini_moe.{module} as m; print(m.__file__)"
+    out = subprocess.run(["taskset", "-c", core, str(ROOT / ".venv" / "bin" / "python"), "-c", code], cwd=work,
+                         env=env, capture_output=True, text=True).stdout.strip()
+    expected = str(work / "mini_moe" / f"{module}.py")
+    if out != expected:
+        sys.exit(f"the copy's module is not the one imported: {out!r} != {expected!r}")
+
+
+def load_done(path: Path):
+    done = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done[r["id"]] = r
+    return done
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--module", action="append", choices=MODULES, help="only this module (repeatable)")
+    p.add_argument("--limit", type=int, help="run at most this many mutants (after --resume's skipping)")
+    p.add_argument("--sample", type=int, help="cut the set to N mutants by sha1(id) rank (deterministic)")
+    p.add_argument("--only", action="append", help="run only this mutant id (repeatable)")
+    p.add_argument("--resume", action="store_true", help="skip the ids already in --results (the default)")
+    p.add_argument("--rerun", action="store_true", help="run the selected mutants again even if done")
+    p.add_argument("--list", action="store_true", help="print the mutants and exit")
+    p.add_argument("--report", action="store_true", help="write the JSON report from --results")
+    p.add_argument("--work", default="/tmp/mutants-work", help="the throw-away copy")
+    p.add_argument("--results", default="/tmp/mutants-results.jsonl",
+                   help="the JSONL of finished mutants (outside the work copy, which each run rebuilds)")
+    p.add_argument("--out", default=str(RESULTS / "mutants-cpu-2core-epyc.json"))
+    p.add_argument("--core", default="1", help="the CPU core for taskset (one core only)")
+    p.add_argument("--timeout-factor", type=float, default=3.0)
+    args = p.parse_args(argv)
+    modules = tuple(args.module) if args.module else MODULES
+    mutants = all_mutants(modules, args.sample)
+    if args.only:
+        mutants = [m for m in mutants if m["id"] in set(args.only)]
+    if args.list:
+        for m in mutants:
+            print(m["id"], "|", m["original_line"], "=>", m["mutated_line"])
+        print(len(mutants), "mutants", {mod: sum(m["module"] == mod for m in mutants) for mod in modules})
+        return
+    results = Path(args.results)
+    if args.report:
+        return write_report(mutants, results, Path(args.out), args)
+    done = {} if args.rerun else load_done(results)
+    todo = [m for m in mutants if m["id"] not in done]
+    if args.limit is not None:
+        todo = todo[:args.limit]
+    work = Path(args.work)
+    prepare_work(work)
+    sources = {mod: (work / "mini_moe" / f"{mod}.py").read_text() for mod in modules}
+    baseline = {}
+    for mod in modules:
+        check_import(work, mod, args.core)
+        for name, tests in (("suite", SUITE[mod]), ("new", NEW_TESTS)):
+            outcome, failed, elapsed, text = run_tests(work, mod, tests, args.core, timeout=1800)
+            if outcome != "survived":
+                sys.exit(f"the unmutated copy fails the {mod} {name} subset ({outcome}, {failed}):\n{text[-3000:]}")
+            baseline[mod, name] = elapsed
+            print(f"baseline {mod} {name}: {elapsed:.1f} s, passes", flush=True)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    for i, m in enumerate(todo):
+        mod = m["module"]
+        target = work / "mini_moe" / f"{mod}.py"
+        target.write_text(apply(sources[mod], m))
+        record = {k: m[k] for k in ("id", "module", "line", "col", "operator", "original_line", "mutated_line")}
+        try:
+            outcome, failed, elapsed, text = run_tests(work, mod, SUITE[mod], args.core,
+                                                       timeout=args.timeout_factor * baseline[mod, "suite"])
+            record.update(outcome=outcome, killed_by=failed, seconds=round(elapsed, 1),
+                          baseline_seconds=round(baseline[mod, "suite"], 1))
+            if outcome == "error":
+                record["detail"] = text[-400:]
+            if outcome == "survived":  # the tests added for issue 52 §3
+                new, new_failed, new_elapsed, _ = run_tests(work, mod, NEW_TESTS, args.core,
+                                                            timeout=args.timeout_factor * baseline[mod, "new"])
+                record.update(outcome_with_new_tests=new, killed_by_new_test=new_failed,
+                              seconds_new=round(new_elapsed, 1))
+        finally:
+            target.write_text(sources[mod])
+        with results.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+        print(f"[{i + 1}/{len(todo)}] {m['id']} {outcome} {failed or ''} {record.get('outcome_with_new_tests', '')} "
+              f"{record.get('killed_by_new_test') or ''} {elapsed:.1f}s", flush=True)
+
+
+def write_report(mutants, results: Path, out: Path, args):
+    done = load_done(results)
+    rows, totals = [], {}
+    dead_outcomes = ("killed", "timeout", "error")
+    for m in mutants:
+        r = done.get(m["id"])
+        if r is None:
+            continue
+        row = dict(r)
+        if r["outcome"] == "survived":
+            if r.get("outcome_with_new_tests") in dead_outcomes:
+                row["classification"] = "killed-by-new-test"
+            elif m["id"] in EQUIVALENT:
+                row["classification"], row["reason"] = "equivalent", EQUIVALENT[m["id"]]
+            else:
+                row["classification"] = "survived"
+                row["reason"] = SURVIVOR_NOTES.get(m["id"])
+        rows.append(row)
+        t = totals.setdefault(m["module"], {k: 0 for k in (
+            "mutants", "killed", "timeout", "error", "survived_suite", "killed_by_new_test", "equivalent",
+            "survived")})
+        t["mutants"] += 1
+        if r["outcome"] in dead_outcomes:
+            t[r["outcome"]] += 1
+        else:
+            t["survived_suite"] += 1
+            t[row["classification"].replace("-", "_")] += 1
+    def rates(t):
+        non_eq = t["mutants"] - t["equivalent"]
+        dead = t["killed"] + t["timeout"] + t["error"]
+        t["non_equivalent"] = non_eq
+        t["kill_rate_suite"] = round(dead / non_eq, 4) if non_eq else None
+        t["kill_rate_with_new_tests"] = round((dead + t["killed_by_new_test"]) / non_eq, 4) if non_eq else None
+        return t
+    for t in totals.values():
+        rates(t)
+    keys = ("mutants", "killed", "timeout", "error", "survived_suite", "killed_by_new_test", "equivalent", "survived")
+    all_t = rates({k: sum(t[k] for t in totals.values()) for k in keys})
+    report = {
+        "what": "issue 52 §3: mutation testing of mini_moe/routing.py, layer.py, losses.py with .ci/mutants.py "
+                "(first-order ast mutants, each run against a fast subset of the existing tests in a throw-away "
+                "copy, then, if it survives, against tests/test_mutant_killers.py; killed = a test fails, "
+                "timeout = past 3x the unmutated run, error = the subset cannot run, e.g. the module does not "
+                "import). Kill rates are over the non-equivalent mutants.",
+        "command": "make mutants MUTANTS_ARGS='--sample %s'" % args.sample if args.sample else "make mutants",
+        "machine": {"cpu": "AMD EPYC", "cores": 2, "cores_used": 1, "gpu": None, "platform": platform.platform(),
+                    "python": platform.python_version(), "taskset": "-c 1", "XLA_FLAGS": XLA_FLAGS,
+                    "JAX_PLATFORMS": "cpu"},
+        "generated": {mod: sum(1 for m in all_mutants((mod,))) for mod in MODULES},
+        "sampling": "none: every generated mutant" if args.sample is None else
+                    f"the {args.sample} mutants (of all modules together) with the smallest sha1(id) hex digest",
+        "suite_tests": SUITE,
+        "new_tests": NEW_TESTS,
+        "totals": {"all": all_t, **totals},
+        "mutants": rows,
+    }
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps(report["totals"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
