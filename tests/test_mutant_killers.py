@@ -101,7 +101,9 @@ def _np_metrics(dispatch):
 @pytest.mark.parametrize("kind", ["token_choice", "expert_choice"])
 def test_routing_metrics_compact_and_dense_forms_equal_their_definitions(kind):
     scores = jax.nn.softmax(jnp.asarray(_rng(4).normal(size=(2, 9, 4)) * 3, jnp.float32))
-    rt = (routing.token_choice(scores, capacity=2, k=2) if kind == "token_choice"
+    # C = 5: 18 picks for 20 slots, so some slots stay empty (token T, weight 0) while a popular
+    # expert still overflows; expert choice fills every slot
+    rt = (routing.token_choice(scores, capacity=5, k=2) if kind == "token_choice"
           else routing.expert_choice(scores, capacity=3))
     dense = routing.Routing(rt.dispatch, rt.combine, sparse=True)  # no slot_token: the dense code path
     expected = _np_metrics(np.asarray(rt.dispatch))
@@ -113,6 +115,9 @@ def test_routing_metrics_compact_and_dense_forms_equal_their_definitions(kind):
     token, weight = dense.slots()
     np.testing.assert_array_equal(token, rt.slot_token)
     np.testing.assert_allclose(weight, rt.slot_weight, rtol=RTOL)
+    if kind == "token_choice":
+        empty = np.asarray(rt.slot_token) == 9
+        assert empty.any() and (np.asarray(weight)[empty] == 0).all()
 
 
 def test_token_choice_with_min_score_and_combine_scores_equals_the_loop():
