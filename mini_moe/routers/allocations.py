@@ -1,0 +1,137 @@
+"""The allocations (frozen dataclasses, no parameters): :class:`TokenChoice` (Algorithm 1),
+:class:`ExpertChoice` (Algorithm 2) and Soft MoE's :class:`SoftRouting`. Re-exported by
+:mod:`mini_moe.routers`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from mini_moe import routing
+from mini_moe.routers.types import Affinities, Budget
+from mini_moe.validate import InputError, check_int
+
+
+# ----------------------------------------------------------------------------- allocations
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenChoice:
+    """Algorithm 1 (paper 000): every token picks its top ``k`` experts, each expert keeps the
+    first C = round(capacity_factor * T / E) in token order (Batch Priority Routing: by score).
+
+    Args:
+      k: experts per token (1 or 2 in the paper).
+      capacity_factor: default k.
+      batch_priority: Batch Priority Routing.
+      min_score: None, or picks whose score is not above it are not made (ReLU routing:
+        ``k = E``, ``min_score = 0``, so a token goes to every expert with a positive gate).
+      pick_bound: None, or on the dropless path at most this many picks per token on average
+        over a call (``max_picks = ceil(pick_bound * tokens)`` of
+        :func:`mini_moe.layer.moe_sorted`: the picks of largest score are kept).
+    """
+
+    k: int = 1
+    capacity_factor: float | None = None
+    batch_priority: bool = False
+    min_score: float | None = None
+    pick_bound: float | None = None
+    per_image = False
+
+    def __post_init__(self):
+        check_int("k", self.k)
+        factor = float(self.k if self.capacity_factor is None else self.capacity_factor)
+        if not factor > 0:
+            raise InputError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
+        object.__setattr__(self, "capacity_factor", factor)
+        object.__setattr__(self, "batch_priority", bool(self.batch_priority))
+        if self.pick_bound is not None and not self.pick_bound > 0:
+            raise InputError(f"pick_bound must be > 0 (picks per token on average) or None, got {self.pick_bound!r}.")
+
+    def max_picks(self, num_tokens: int) -> int | None:
+        """The dropless path's static bound on the picks of a call of ``num_tokens`` tokens."""
+        return None if self.pick_bound is None else math.ceil(self.pick_bound * num_tokens)
+
+    def check(self, num_experts: int) -> None:
+        if self.k > num_experts:
+            raise InputError(f"k must be <= num_experts={num_experts}, got k={self.k}.")
+
+    def budget(self, num_tokens: int, num_experts: int) -> Budget:
+        return Budget(self.k, routing.capacity(num_tokens, num_experts, self.capacity_factor))
+
+    def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
+        return routing.token_choice(affinities.scores, capacity=budget.capacity, k=self.k,
+                                    batch_priority=self.batch_priority, combine_scores=affinities.combine,
+                                    min_score=self.min_score)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertChoice:
+    """Algorithm 2 (paper 000; Zhou et al. 2022): every expert picks its top
+    C = round(capacity_factor * T / E) tokens (at most T)."""
+
+    capacity_factor: float = 1.0
+    per_image = False
+
+    def __post_init__(self):
+        if not self.capacity_factor > 0:
+            raise InputError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
+        object.__setattr__(self, "capacity_factor", float(self.capacity_factor))
+
+    def check(self, num_experts: int) -> None:
+        pass
+
+    def budget(self, num_tokens: int, num_experts: int) -> Budget:
+        return Budget(1, min(num_tokens, routing.capacity(num_tokens, num_experts, self.capacity_factor)))
+
+    def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
+        return routing.expert_choice(affinities.scores, capacity=budget.capacity, combine_scores=affinities.combine)
+
+
+SOFT_MOE_ABLATIONS = ("soft", "soft/uniform", "uniform/soft", "uniform", "identity")
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftRouting:
+    """Soft MoE's allocation (paper 002), for the tokens of one image: dispatch is a softmax of
+    the slot logits over tokens, combine a softmax over all (expert, slot) pairs.
+
+    Args:
+      ablation: paper 002 Table 2: ``"soft"`` (Soft MoE), ``"soft/uniform"`` (learned
+        dispatch, uniform combine), ``"uniform/soft"``, ``"uniform"`` (every slot the
+        token average, outputs averaged), ``"identity"`` (token t to slot t; needs
+        E * S = T).
+    """
+
+    ablation: str = "soft"
+    per_image = True
+
+    def __post_init__(self):
+        if self.ablation not in SOFT_MOE_ABLATIONS:
+            raise InputError(f"ablation must be one of {SOFT_MOE_ABLATIONS}, got {self.ablation!r}.")
+
+    def check(self, num_experts: int) -> None:
+        pass
+
+    def budget(self, num_tokens: int, num_experts: int) -> Budget:
+        return Budget(1, 0)  # the slots are the affinity's parameters
+
+    def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
+        logits = affinities.scores  # [..., T, E, S]
+        num_tokens, shape = logits.shape[-3], logits.shape
+        if self.ablation == "identity":
+            if shape[-2] * shape[-1] != num_tokens:
+                raise InputError(
+                    f"identity routing needs num_experts * slots_per_expert == T={num_tokens}, "
+                    f"got {shape[-2]} * {shape[-1]}."
+                )
+            eye = jnp.eye(num_tokens, dtype=logits.dtype).reshape((num_tokens,) + shape[-2:])
+            return routing.Routing(jnp.broadcast_to(eye, shape), jnp.broadcast_to(eye, shape), sparse=True)
+        soft = routing.soft_routing(logits)
+        dispatch_kind, combine_kind = (self.ablation.split("/") * 2)[:2]
+        dispatch = soft.dispatch if dispatch_kind == "soft" else jnp.full(shape, 1.0 / num_tokens, logits.dtype)
+        combine = soft.combine if combine_kind == "soft" else jnp.full(shape, 1.0 / (shape[-1] * shape[-2]),
+                                                                       logits.dtype)
+        return routing.Routing(dispatch, combine, sparse=False)
