@@ -409,3 +409,13 @@ def test_gather_and_scatter_slots_are_a_gather_and_a_weighted_scatter_add():
                 if t < 5:
                     expected[g, t] += weight[g, e, c] * out[g, e, c]
     np.testing.assert_allclose(back, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_batch_priority_keeps_the_token_order_among_equal_top_1_scores():
+    """BPR sorts tokens by decreasing top-1 score with a stable sort (Riquelme et al. 2021; the
+    docstring): tokens whose top-1 scores tie keep their order, as in Algorithm 1's loop."""
+    scores = np.tile(np.array([[0.6, 0.4], [0.5, 0.5]], np.float32), (20, 1))  # 40 tokens, two top-1 values
+    for cap in (3, 12):
+        rt = routing.token_choice(scores, capacity=cap, batch_priority=True)
+        d, _ = routing.token_choice_loop(scores, capacity=cap, batch_priority=True)
+        np.testing.assert_array_equal(rt.dispatch, d)
