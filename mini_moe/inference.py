@@ -441,3 +441,54 @@ def precision_mismatch(model, images: np.ndarray, *, dtype="bfloat16", batch_siz
         out.append({"isolated": float(np.mean(np.any(isolated != ref, -1))),
                     "cascade": float(np.mean(np.any(cascade[i] != ref, -1)))})
     return out
+
+
+class _Replayed:
+    """Stands in for a router: calls it (its metrics and probabilities stay live) and hands the
+    layer the recorded routing instead of the one it computed."""
+
+    def __init__(self, router, routing):
+        self.router, self.routing = router, routing
+
+    def __getattr__(self, name):  # per_image, affinity, allocation, ...: the router's
+        return getattr(self.router, name)
+
+    def __call__(self, x, **kwargs):
+        return self.router(x, **kwargs).replace(routing=self.routing)
+
+
+def _check_replayable(model):
+    dropless = [i for i, b in enumerate(_moe_blocks(model)) if b.mlp.path == "dropless"]
+    if dropless:
+        raise InputError(f"routing replay needs dispatch and combine tensors; MoE layers {dropless} run on the "
+                         "dropless path, which sorts picks instead. Evaluate them on another path (moe_path='einsum').")
+
+
+def record_routing(model, images: np.ndarray) -> tuple:
+    """One eval-mode forward pass of ``images`` (whole routing groups), run op by op: per MoE layer
+    the :class:`~mini_moe.routing.Routing` (dispatch and combine ``[G, T, E, C]``) it used."""
+    _check_replayable(model)
+    with evaluate.eval_mode(model):
+        return tuple(model(jnp.asarray(images), return_routing=True).routings)
+
+
+def replay_routing(model, images: np.ndarray, routings) -> np.ndarray:
+    """The logits ``[N, classes]`` of ``images`` with every MoE layer computing eq. (2) from the
+    recorded ``routings`` (:func:`record_routing`) instead of its router's (the router still runs;
+    its routing is discarded), op by op as :func:`record_routing` runs, so that replaying a pass's
+    own routing gives it back bit for bit. ``routings=None`` runs the model's own routing the same
+    way (the reference to compare a replay with)."""
+    _check_replayable(model)
+    blocks = _moe_blocks(model)
+    if routings is not None and len(routings) != len(blocks):
+        raise InputError(f"routings must hold one routing per MoE layer ({len(blocks)}), got {len(routings)}.")
+    saved = [b.mlp.router for b in blocks]
+    try:
+        if routings is not None:
+            for b, routing in zip(blocks, routings):
+                object.__setattr__(b.mlp, "router", _Replayed(b.mlp.router, routing))
+        with evaluate.eval_mode(model):
+            return np.asarray(model(jnp.asarray(images)).logits)
+    finally:
+        for b, router in zip(blocks, saved):
+            object.__setattr__(b.mlp, "router", router)

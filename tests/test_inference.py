@@ -212,3 +212,22 @@ def test_precision_mismatch_isolated_equals_cascade_in_the_first_layer(digits):
     assert all(0.0 <= r[m] <= 1.0 for r in rows for m in r)
     assert type(model.blocks[1].mlp.router.affinity.dense).__name__ == "Linear"  # restored
     assert set(inference.precision_mismatch(_model("soft_moe"), images)) == {None}
+
+
+def test_a_recorded_routing_replays_bit_for_bit_and_is_what_the_layers_use(digits):
+    model = _model("softmax_token_choice", model_router_kwargs={"capacity_factor": 0.5, "noise_std": 0.0})
+    images = digits[1].images[:16]
+    recorded = inference.record_routing(model, images)
+    reference = inference.replay_routing(model, images, None)
+    assert np.array_equal(inference.replay_routing(model, images, recorded), reference)  # same ops, same bits
+    with inference.router_dtype(model, "bfloat16"):
+        assert np.array_equal(inference.replay_routing(model, images, recorded), reference)
+    # the layers compute with the replayed tensors: another group's routing gives other logits
+    other = inference.record_routing(model, digits[1].images[16:32])
+    assert np.abs(inference.replay_routing(model, images, other) - reference).max() > 1e-3
+    assert type(model.blocks[1].mlp.router).__name__ == "Router"  # restored
+    with pytest.raises(InputError, match="one routing per MoE layer"):
+        inference.replay_routing(model, images, recorded + recorded)
+    dropless = _model("softmax_token_choice", model_moe_path="dropless")
+    with pytest.raises(InputError, match="dropless"):
+        inference.record_routing(dropless, images)
