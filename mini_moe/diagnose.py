@@ -31,7 +31,7 @@ import pathlib
 import numpy as np
 from flax import nnx
 
-from mini_moe import evaluate, routers
+from mini_moe import evaluate, inference, routers
 from mini_moe.validate import InputError
 
 #: The default thresholds, ``{metric: (direction, threshold)}``: a "max" metric warns above its
@@ -305,8 +305,10 @@ def diagnose(model, images: np.ndarray, *, previous=None, trained_group_images: 
       seed: the order of the regrouped test set for ``batch_dependence``.
 
     Returns ``{"family", "layers": [per MoE layer: metrics], "batch_dependence": float,
-    "thresholds": {metric: {"direction", "threshold", "reference", "reference_margin"}},
-    "reference_runs", "findings": [Finding, ...]}``. Per layer: ``load_cv`` and
+    "batch_invariant": {"invariant": bool, "why": str}, "thresholds": {metric: {"direction",
+    "threshold", "reference", "reference_margin"}}, "reference_runs", "findings": [Finding, ...]}``;
+    ``batch_invariant`` says whether the configuration, as it routes, makes a prediction depend on
+    nothing but its image (:func:`mini_moe.inference.invariance`). Per layer: ``load_cv`` and
     ``load_max_over_mean`` (top-1 choices per expert, before capacity), ``dropped_picks`` (Token
     Choice: the picks made that found no room) and ``dropped_tokens`` (tokens no expert
     processes), ``experts_per_token``, ``router_entropy`` (mean entropy of the router's
@@ -347,7 +349,9 @@ def diagnose(model, images: np.ndarray, *, previous=None, trained_group_images: 
         })
     batch_dependence = float(np.mean(preds != regrouped))
     rules, name = thresholds(model), family(model)
-    return {"family": name, "layers": layers, "batch_dependence": batch_dependence, **_references(name, rules),
+    invariant, why = inference.invariance(model)
+    return {"family": name, "layers": layers, "batch_dependence": batch_dependence,
+            "batch_invariant": {"invariant": invariant, "why": why}, **_references(name, rules),
             "findings": _findings(model, layers, batch_dependence, rules, trained_group_images)}
 
 
@@ -611,6 +615,9 @@ def format_report(report: dict) -> str:
         lines.append(f"{name:22s}{cells}" + rule_cells(name))
     lines.append(f"{'batch_dependence':22s}{_cell(report['batch_dependence']):>10s}"
                  + " " * 10 * (len(layers) - 1) + rule_cells("batch_dependence"))
+    if "batch_invariant" in report:
+        inv = report["batch_invariant"]
+        lines.append(f"batch-invariant configuration: {'yes' if inv['invariant'] else 'no'} ({inv['why']})")
     runs = report.get("reference_runs") or "none of this family"
     lines.append(f"router family: {report['family']}; reference runs: {runs}")
     for note in report.get("notes", []):

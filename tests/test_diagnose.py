@@ -51,6 +51,9 @@ def test_a_healthy_run_gives_no_warning(healthy):
     assert layer["dropped_picks"] == pytest.approx(layer["dropped_tokens"]) and layer["slot_sharpness"] is None
     assert 0 <= layer["router_entropy"] <= 1 and layer["load_max_over_mean"] >= 1
     assert "no warnings" in diagnose.format_report(report)
+    # Token Choice with a capacity over groups of images: a prediction may depend on its group
+    assert report["batch_invariant"]["invariant"] is False and "capacity factor" in report["batch_invariant"]["why"]
+    assert "batch-invariant configuration: no" in diagnose.format_report(report)
 
 
 def test_all_tokens_to_one_expert_is_a_load_warning_only(healthy):
@@ -72,6 +75,7 @@ def test_a_capacity_limited_model_evaluated_in_groups_of_one_image(healthy):
     nnx.update(single, nnx.state(model))
     report = diagnose.diagnose(single, images, trained_group_images=cfg.model.group_images)
     assert _metrics(report) == ["grouping"], diagnose.format_report(report)
+    assert report["batch_invariant"]["invariant"] is True  # groups of one image: nothing to depend on
     assert diagnose.diagnose(single, images, trained_group_images=1)["findings"] == []
 
 
