@@ -346,20 +346,10 @@ class VisionMoE(nnx.Module):
         """After the micro-batches of one accumulated step (routers in
         :func:`~mini_moe.routers.defer_updates` mode): one update of every router's own state from
         the whole batch. ``metrics``: each micro-batch's ``ModelOutput.metrics`` (one dict per MoE
-        layer). DeepSeek-V3's bias moves by the picks summed over the micro-batches; ReMoE's lambda
-        by the sparsity averaged over them (equal-sized micro-batches), per layer or over the model
-        as its ``l1_scope`` says."""
+        layer). Each router's affinity gets its layer's metrics of every micro-batch through
+        :func:`~mini_moe.routers.after_step` (the protocol of
+        :class:`~mini_moe.routers.StatefulAffinity`): DeepSeek-V3's bias moves by the picks summed
+        over the micro-batches; ReMoE's lambda by the sparsity averaged over them (equal-sized
+        micro-batches), per layer or over the model as its ``l1_scope`` says."""
         affinities = [block.mlp.router.affinity for block in self.blocks if block.use_moe]
-        relu, sparsity = [], []
-        for i, affinity in enumerate(affinities):
-            if isinstance(affinity, routers_lib.SigmoidGates) and affinity.bias_rate > 0:
-                affinity.update_bias(sum(m[i]["pick_load"] for m in metrics))
-            elif isinstance(affinity, routers_lib.ReluGates):
-                mean = jnp.mean(jnp.stack([m[i]["sparsity"] for m in metrics]))
-                if affinity.l1_scope == "layer":
-                    affinity.step_l1(mean)
-                else:
-                    relu.append(affinity)
-                    sparsity.append(mean)
-        if relu:
-            routers_lib.update_l1_weights(relu, sparsity)
+        routers_lib.after_step([(affinity, [m[i] for m in metrics]) for i, affinity in enumerate(affinities)])

@@ -50,6 +50,11 @@ What the rest of the library needs to know about a registered router (how the ca
 reaches it, whether it routes each image on its own, where the model places its MoE layers) is
 declared with :func:`register`, so a router registered outside the package trains through
 :mod:`mini_moe.model`, :mod:`mini_moe.train`, :mod:`mini_moe.study` and :mod:`mini_moe.bench`.
+An affinity with state that no gradient moves (DeepSeek-V3's bias, ReMoE's lambda) follows one
+protocol, :class:`StatefulAffinity`: models move that state through :func:`after_forward`,
+:func:`defer_updates` and :func:`after_step`, never by testing for a particular affinity, so
+such an affinity registered outside the package trains, with or without gradient
+accumulation, as the library's own do.
 
 Training-time noise follows Flax's dropout convention: it is added while the module
 is not ``deterministic`` (``model.train()``), and never under ``model.eval()``.
@@ -57,7 +62,8 @@ is not ``deterministic`` (``model.train()``), and never under ``model.eval()``.
 The package's modules, all re-exported here (``routers.X`` and ``from mini_moe.routers import X``
 name every object): ``types.py`` (:class:`RouterOutput`, :class:`Budget`, :class:`Affinities`),
 ``affinities.py`` (the affinities that hold only their weights), ``balancing.py`` (the affinities
-with state of their own: :class:`SigmoidGates`, :class:`ReluGates`), ``allocations.py``,
+with state of their own: :class:`SigmoidGates`, :class:`ReluGates`), ``stateful.py`` (the
+protocol through which models move such state: :class:`StatefulAffinity`), ``allocations.py``,
 ``controls.py`` (:func:`freeze`, :class:`HashProjection`), ``registry.py`` (:class:`Router` and the
 registry) and ``papers.py`` (the registered routers of the papers).
 """
@@ -81,8 +87,7 @@ from mini_moe import losses, routing, transport  # noqa: F401
 from mini_moe.routers.affinities import (Affinity, NoisySoftmax, QuadraticPlan, SinkhornPlan, SlotLogits, Softmax,
                                          SparsityConstrainedPlan, l2_normalize)
 from mini_moe.routers.allocations import SOFT_MOE_ABLATIONS, ExpertChoice, SoftRouting, TokenChoice
-from mini_moe.routers.balancing import (ExpertBias, L1Weight, ReluGates, SigmoidGates, after_forward, defer_updates,
-                                        update_l1_weights)
+from mini_moe.routers.balancing import ExpertBias, L1Weight, ReluGates, SigmoidGates, update_l1_weights
 from mini_moe.routers.controls import FrozenWeight, HashProjection, freeze
 from mini_moe.routers.papers import (group_limited, hash_router, remoe, sigmoid_loss_free, sinkhorn_expert_choice,
                                      sinkhorn_token_choice, soft_moe, softmax_expert_choice, softmax_token_choice,
@@ -90,6 +95,7 @@ from mini_moe.routers.papers import (group_limited, hash_router, remoe, sigmoid_
 from mini_moe.routers.registry import (ALLOCATION_CLASSES, ALLOCATIONS, Router, RouterSpec, make_router, per_image,
                                        register, spec)
 from mini_moe.routers.registry import ROUTERS as _ROUTERS
+from mini_moe.routers.stateful import StatefulAffinity, after_forward, after_step, defer_updates
 from mini_moe.routers.types import Affinities, Array, Budget, RouterOutput  # noqa: F401
 from mini_moe.validate import InputError, check_int  # noqa: F401
 
@@ -101,7 +107,7 @@ ROUTERS = _ROUTERS
 __all__ = [
     "RouterOutput", "Budget", "Affinities",
     "Affinity", "Softmax", "NoisySoftmax", "ExpertBias", "SigmoidGates", "L1Weight", "ReluGates",
-    "update_l1_weights", "after_forward", "defer_updates",
+    "update_l1_weights", "StatefulAffinity", "after_forward", "after_step", "defer_updates",
     "SinkhornPlan", "QuadraticPlan", "SparsityConstrainedPlan", "l2_normalize", "SlotLogits",
     "FrozenWeight", "freeze", "HashProjection",
     "TokenChoice", "ExpertChoice", "SOFT_MOE_ABLATIONS", "SoftRouting",

@@ -1,10 +1,12 @@
 """The affinities that balance with state of their own instead of (or besides) an auxiliary
 loss: DeepSeek-V3's :class:`SigmoidGates` with its :class:`ExpertBias`, ReMoE's
 :class:`ReluGates` with its :class:`L1Weight`, and the steps of that state a model takes
-(:func:`update_l1_weights`, :func:`after_forward`, :func:`defer_updates`). Re-exported by
-:mod:`mini_moe.routers`."""
+(:func:`update_l1_weights`). Both follow the protocol of ``stateful.py``
+(:class:`~mini_moe.routers.StatefulAffinity`). Re-exported by :mod:`mini_moe.routers`."""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +59,10 @@ class SigmoidGates(Affinity):
         are. DeepSeek-V2's device-limited routing scores a group by its highest score instead.
 
     Under gradient accumulation (``defer = True``, set by :func:`defer_updates`) a call does not
-    move the bias: the training step sums the micro-batches' ``pick_load`` and calls
-    :meth:`update_bias` once, so the update sees the whole accumulated batch (the bug of
-    torchtitan#1304 was one update per micro-batch).
+    move the bias: the training step calls :meth:`deferred_update` once with every micro-batch's
+    metrics, which sums their ``pick_load`` and calls :meth:`update_bias`, so the update sees the
+    whole accumulated batch (the bug of torchtitan#1304 was one update per micro-batch). This is
+    the protocol of :class:`StatefulAffinity`.
 
     Metrics: ``bias_spread`` (max - min of b), ``sequence_balance_loss`` and ``pick_load`` (``[E]``,
     picks per expert in this call).
@@ -90,6 +93,13 @@ class SigmoidGates(Affinity):
         """One step of the bias from the picks per expert ``load [E]`` of a whole batch:
         ``b_e += bias_rate * sign(mean load - load_e)``."""
         self.bias[...] = routing.loss_free_bias_step(self.bias[...], load, self.bias_rate)
+
+    def deferred_update(self, metrics: Sequence[dict]) -> None:
+        """:class:`StatefulAffinity`'s step under gradient accumulation: one step of the bias
+        (:meth:`update_bias`) from the picks summed over the micro-batches (``metrics``: this
+        layer's metrics of each micro-batch, with their ``pick_load``)."""
+        if self.bias_rate > 0:
+            self.update_bias(sum(m["pick_load"] for m in metrics))
 
     def check(self, k: int) -> None:
         """k picks must fit inside the kept groups."""
@@ -164,6 +174,11 @@ class ReluGates(Affinity):
     lambda). ``l1_scope="layer"`` gives every layer its own lambda, moved in the router's own call
     by its own sparsity (a router called alone, outside such a model, adapts only this way).
 
+    Under gradient accumulation (``defer = True``, set by :func:`defer_updates`) no call moves
+    lambda: the training step moves it once from the whole batch, a layer's own lambda in
+    :meth:`deferred_update` and the model's in :meth:`model_update` (the protocol of
+    :class:`StatefulAffinity`).
+
     Args:
       target_k: k, the average number of active experts per token the controller aims at.
       l1_init: lambda's initial value (ReMoE: 1e-8).
@@ -194,6 +209,22 @@ class ReluGates(Affinity):
     def step_l1(self, sparsity: Array) -> None:
         """One step of lambda towards the target from the fraction of zero gates ``sparsity``."""
         self.l1_weight[...] = self.l1_weight[...] * self.l1_rate ** jnp.sign(self.target_sparsity - sparsity)
+
+    def deferred_update(self, metrics: Sequence[dict]) -> None:
+        """:class:`StatefulAffinity`'s step under gradient accumulation: with ``l1_scope="layer"``,
+        one step of lambda by the sparsity averaged over the micro-batches (``metrics``: this
+        layer's metrics of each micro-batch; they are equal-sized). The model's lambda
+        (``l1_scope="model"``) moves in :meth:`model_update`."""
+        if self.l1_scope == "layer":
+            self.step_l1(_mean_sparsity(metrics))
+
+    @classmethod
+    def model_update(cls, layers: Sequence[tuple[ReluGates, Sequence[dict]]]) -> None:
+        """:class:`StatefulAffinity`'s model-level step: ReMoE's one lambda for the model,
+        moved once by :func:`update_l1_weights` from the sparsity of every ReLU layer of the model
+        (``layers``: ``(affinity, metrics of each micro-batch)``), averaged over the micro-batches
+        and then over the layers. Layers in ``l1_scope="layer"`` or in eval mode are left alone."""
+        update_l1_weights([gates for gates, _ in layers], [_mean_sparsity(metrics) for _, metrics in layers])
 
     @property
     def target_sparsity(self) -> float:
@@ -230,23 +261,9 @@ def update_l1_weights(gates: list[ReluGates], sparsities: list[Array]) -> None:
         g.step_l1(mean)
 
 
-def after_forward(layers) -> None:
-    """The step of the routers' own state that no layer can take alone, after a training forward
-    pass of any model that holds MoE layers (:class:`mini_moe.model.VisionMoE`, chapter 9's one-layer
-    :class:`mini_moe.subtasks.SubtaskLayer`): ``layers`` lists ``(affinity, metrics)`` of every MoE
-    layer of the pass. Today that is ReMoE's model-level lambda (:func:`update_l1_weights`), skipped
-    under gradient accumulation (the training step moves it once from the whole batch). A router
-    whose state is its own layer's (DeepSeek-V3's bias, a layer-scope lambda) moves in its call."""
-    relu = [(a, m["sparsity"]) for a, m in layers if isinstance(a, ReluGates)]
-    if relu and not relu[0][0].defer:
-        update_l1_weights(*zip(*relu))
-
-
-def defer_updates(module, defer: bool = True) -> None:
-    """Gradient accumulation: make every router in ``module`` that updates state in its own
-    training call (DeepSeek-V3's bias, :class:`SigmoidGates`; ReMoE's lambda, :class:`ReluGates`)
-    leave it to the training step, which applies one update from the whole accumulated batch
-    (:meth:`mini_moe.model.VisionMoE.apply_deferred_updates`)."""
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, (SigmoidGates, ReluGates)):
-            node.defer = bool(defer)
+def _mean_sparsity(metrics: Sequence[dict]) -> Array:
+    """A layer's sparsity over equal-sized micro-batches: the mean of their ``sparsity`` metrics
+    (the one micro-batch's own value after a single forward pass)."""
+    if len(metrics) == 1:
+        return metrics[0]["sparsity"]
+    return jnp.mean(jnp.stack([m["sparsity"] for m in metrics]))
