@@ -553,6 +553,58 @@ register(Lab(
 ))
 
 
+def _per_image_reference(scores, capacity, patches):
+    """Token Choice (k = 1) run on each image's ``patches`` tokens alone: the library's function on
+    the scores grouped ``[n, patches, E]`` (chapter 17's per-image groups)."""
+    s = jnp.asarray(scores)
+    dispatch = routing.token_choice(s.reshape(-1, patches, s.shape[-1]), capacity=capacity).dispatch
+    return dispatch.reshape(s.shape[0], s.shape[-1], capacity)
+
+
+def _per_image_cases(rng):
+    """Groups of n images of P patches, scores [n P, E]: ties across images, one popular expert,
+    a single image, and random sizes."""
+    def case(label, logits, capacity, patches):
+        return label, {"scores": _softmax(np.asarray(logits, np.float64)), "capacity": int(capacity), "patches": int(patches)}
+
+    same = rng.normal(size=(3, 4))
+    cases = [
+        case("one image", rng.normal(size=(4, 3)), 1, 4),
+        case("two identical images", np.concatenate([same, same]), 1, 3),
+        case("every patch wants expert 0", rng.normal(size=(8, 4)) + np.array([4.0, 0, 0, 0]), 2, 4),
+        case("capacity 1, four images", rng.normal(size=(8, 2)), 1, 2),
+    ]
+    for i in range(6):
+        n, p, e = int(rng.integers(2, 5)), int(rng.integers(2, 7)), int(rng.integers(2, 6))
+        cases.append(case(f"random {i}", rng.normal(size=(n * p, e)) * rng.uniform(0.5, 3.0),
+                          int(rng.integers(1, p + 1)), p))
+    return cases
+
+
+def _image_slots_hold_one_token_of_the_image(kwargs, dispatch) -> bool:
+    """Every image's C slots per expert hold at most one of that image's patches."""
+    d = np.asarray(dispatch)
+    p, c = kwargs["patches"], kwargs["capacity"]
+    return d.ndim == 3 and d.shape[-1] == c and bool(np.all(d.reshape(-1, p, d.shape[1], c).sum(1) <= 1))
+
+
+register(Lab(
+    name="ch17.per_image_token_choice",
+    axes=(("token", "expert", "slot"),),
+    signature="(scores, capacity, patches)",
+    doc="Batch-invariant Token Choice (chapter 17): scores [n * patches, E] of n images, each image's patches in a "
+        "row -> dispatch [n * patches, E, C] (0/1), k = 1, where every image is its own routing group: its patches "
+        "compete only for its own C slots per expert (in its patch order), so that no image's routing depends on "
+        "another's.",
+    reference=_per_image_reference,
+    cases=_per_image_cases,
+    properties=(("an image's slots of one expert hold more than one of its patches each",
+                 _image_slots_hold_one_token_of_the_image),),
+    hint="chapter 17, 'Why a prediction can depend on its batch': which tokens may compete for a slot when the "
+         "routing group is one image, and where does each image's slot count start?",
+))
+
+
 # ------------------------------------------------------------------------------------- the grader
 
 #: The seconds a submission's process may run for one lab, and the memory (GiB) it may take.
