@@ -213,6 +213,24 @@ def choose_fillers(victim_probs: np.ndarray, pool_probs: np.ndarray, count: int)
     return np.argsort(-scores, kind="stable")[:count]
 
 
+def attack_group(model, victim: np.ndarray, pool: np.ndarray, *, layer: int = 0, position: int | None = None,
+                 pool_probs: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+    """The attacker's routing group for ``victim [H, W, C]``: the ``g - 1`` images of ``pool``
+    that :func:`choose_fillers` picks in MoE layer ``layer``, with the victim at ``position``
+    (default last, where Token Choice serves it after every filler). Returns ``(group [g, H, W, C],
+    position)``; :func:`mini_moe.explorer.routing_view` of it (``image=position``) shows the
+    victim's patches under attack. ``pool_probs``: the pool's router distributions in that layer,
+    if already computed."""
+    g = group_size(model)
+    position = g - 1 if position is None else position
+    if pool_probs is None:
+        pool_probs = _router_probs(model, pool)[layer]
+    victim_probs = _router_probs(model, np.asarray(victim)[None])[layer][0]
+    group = list(np.asarray(pool)[choose_fillers(victim_probs, pool_probs, g - 1)])
+    group.insert(position, np.asarray(victim))
+    return np.stack(group), position
+
+
 @contextlib.contextmanager
 def _mitigated(model, mitigation, slack):
     if mitigation == "slack":

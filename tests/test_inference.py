@@ -231,3 +231,17 @@ def test_a_recorded_routing_replays_bit_for_bit_and_is_what_the_layers_use(digit
     dropless = _model("softmax_token_choice", model_moe_path="dropless")
     with pytest.raises(InputError, match="dropless"):
         inference.record_routing(dropless, images)
+
+
+def test_attack_group_puts_the_chosen_fillers_around_the_victim(digits):
+    model = _model("softmax_token_choice", model_router_kwargs={"capacity_factor": 1.0, "noise_std": 0.0})
+    victim, pool = digits[1].images[0], digits[1].images[24:120]
+    group, position = inference.attack_group(model, victim, pool)
+    assert position == 3 and group.shape == (4,) + victim.shape
+    np.testing.assert_array_equal(group[position], victim)
+    fillers = inference.choose_fillers(inference._router_probs(model, victim[None])[0][0],
+                                       inference._router_probs(model, pool)[0], 3)
+    np.testing.assert_array_equal(group[:3], pool[fillers])
+    view = explorer.routing_view(model, group, image=position)
+    side = model.cfg.image_size // model.cfg.patch_size
+    assert view["expert"].shape == (side, side) and view["load"].shape == (4,)
