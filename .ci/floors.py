@@ -76,7 +76,7 @@ def imported_packages(package: pathlib.Path = ROOT / "mini_moe") -> dict[str, st
     """{top-level module: first file importing it} for every non-stdlib import in the package,
     the imports inside functions included."""
     found = {}
-    for path in sorted(package.glob("*.py")):
+    for path in sorted(p for p in package.rglob("*.py") if "results" not in p.relative_to(package).parts):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]

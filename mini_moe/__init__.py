@@ -19,6 +19,9 @@ Every module, in the order the book introduces them:
   correspondences of two views (paper 004).
 * :mod:`mini_moe.train` — training with checkpoints and exact resume.
 * :mod:`mini_moe.evaluate` — accuracy, the 10-shot probe, routing diagnostics and mechanisms.
+* :mod:`mini_moe.inference` — routing at inference: batch dependence, the batch-invariant modes,
+  the test-time capacity sweep, the filler attack and its mitigations, ties, a bfloat16 router
+  and routing replay.
 * :mod:`mini_moe.diagnose` — a health report of a trained MoE, with verdicts and hints
   (``python -m mini_moe diagnose RUN``).
 * :mod:`mini_moe.explorer` — the routing explorer: one image's patches by expert, dropped ones,
