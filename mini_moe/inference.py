@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from scipy import stats
 
-from mini_moe import evaluate, explorer
+from mini_moe import evaluate, explorer, routing
 from mini_moe import routers as routers_lib
 from mini_moe.validate import InputError, check_int
 
@@ -122,10 +122,12 @@ def invariance(model) -> tuple[bool, str]:
     """Whether the model's predictions depend on nothing but the image, as it routes now, and why.
 
     Batch-invariant: every MoE layer routes each image alone (Soft MoE; groups of one image), or
-    is dropless Token Choice over an affinity that scores each token alone and without ReMoE's pick
-    bound (whose overflow is decided over the whole call). Anything with a capacity (Token Choice,
-    Expert Choice, with or without Batch Prioritized Routing) or a group-level affinity (Sinkhorn
-    and the other transport plans, the hash control) is not.
+    is Token Choice over an affinity that scores each token alone with nothing to refuse: on the
+    dropless path without ReMoE's pick bound (whose overflow is decided over the whole call), or
+    with buffers of C >= T slots (a token's k picks go to k different experts, so no expert is
+    asked for more than T). Anything with a smaller capacity (Token Choice, Expert Choice, with or
+    without Batch Prioritized Routing) or a group-level affinity (Sinkhorn and the other transport
+    plans, the hash control) is not.
     """
     reasons = []
     for i, block in enumerate(_moe_blocks(model)):
@@ -143,6 +145,10 @@ def invariance(model) -> tuple[bool, str]:
                 reasons.append(f"MoE layer {i}: the dropless path's pick bound (ReMoE's active_bound) drops the "
                                "smallest gates of the whole call when it overflows")
             continue
+        tokens = mlp.group_images * model.cfg.num_patches
+        if (isinstance(router.allocation, routers_lib.TokenChoice) and affinity in PER_TOKEN_AFFINITIES
+                and routing.capacity(tokens, router.num_experts, router.capacity_factor) >= tokens):
+            continue  # every expert has a slot for every token of the group: no pick is refused
         kind = type(router.allocation).__name__
         reasons.append(f"MoE layer {i}: {kind} with capacity factor {router.capacity_factor:g} over groups of "
                        f"{mlp.group_images} images")

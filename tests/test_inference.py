@@ -132,6 +132,10 @@ def test_capacity_sweep_drops_nothing_at_a_capacity_of_every_token(digits):
     # k = 1 and C = round(4 T / E) >= T: every token finds room, and nothing depends on the group
     assert rows[1]["unprocessed"] == [0.0] and rows[1]["dropped_routes"] == [0.0]
     assert rows[1]["batch_dependence"]["mean"] == 0.0
+    with explorer.capacity(model, 4.0):
+        assert inference.invariance(model)[0]  # C = round(4 T / 4) = T slots: nothing can be refused
+    with explorer.capacity(model, 2.0):
+        assert not inference.invariance(model)[0]  # C = T / 2: a popular expert refuses picks
     assert rows[0]["unprocessed"][0] > 0.5  # a quarter of the tokens fit at most
     for row in rows:
         with explorer.capacity(model, row["capacity_factor"]):
