@@ -18,6 +18,8 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.augment` — random resized crops that remember their geometry, and the patch
   correspondences of two views (paper 004).
 * :mod:`mini_moe.train` — training with checkpoints and exact resume.
+* :mod:`mini_moe.upcycle` — sparse upcycling: a dense ViT's MLPs copied into experts (with
+  Drop-Upcycling's partial re-initialisation).
 * :mod:`mini_moe.evaluate` — accuracy, the 10-shot probe, routing diagnostics and mechanisms.
 * :mod:`mini_moe.inference` — routing at inference: batch dependence, the batch-invariant modes,
   the test-time capacity sweep, the filler attack and its mitigations, ties, a bfloat16 router

@@ -442,8 +442,9 @@ def _chosen_sets(model, images, batch_size) -> list[np.ndarray | None]:
 
 
 def precision_mismatch(model, images: np.ndarray, *, dtype="bfloat16", batch_size: int = 400) -> list[dict]:
-    """Per MoE layer, the share of patches whose set of preferred experts (:func:`_chosen_sets`)
-    changes when routers compute in ``dtype`` instead of float32:
+    """Per MoE layer, the share of patches whose set of preferred experts changes when routers
+    compute in ``dtype`` instead of float32 (the set: Token Choice's top k of the router's
+    distribution, ReLU routing's positive gates, Expert Choice's top 1):
 
     * ``"isolated"``: only this layer's router in ``dtype`` (the layers below are unchanged, so
       the difference is this router's own rounding);
