@@ -88,17 +88,18 @@ def main(argv=None) -> int:
         print(file.stem, record["models"][file.stem]["seconds"], "s", flush=True)
     out = HERE / f"inference-{args.machine}.json"
     out.write_text(json.dumps(record, indent=1, default=float) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
     plot(record, HERE / "inference-capacity_sweep.png")
     print("wrote", out)
     return 0
 
 
-def plot(record: dict, path: pathlib.Path) -> None:
+def plot(record: dict, path: pathlib.Path | None = None):
     """Accuracy, dropped tokens and batch dependence against the test-time capacity factor, one
-    line per capacity-limited model, one row of panels per data set."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    line per capacity-limited model, one row of panels per data set; saved to ``path``, or
+    returned as a figure when ``path`` is None (a notebook shows it)."""
     import matplotlib.pyplot as plt
 
     datasets = sorted({m["dataset"] for m in record["models"].values()})
@@ -118,7 +119,10 @@ def plot(record: dict, path: pathlib.Path) -> None:
             ax.set_title(f"{dataset}: {title}", fontsize=9)
         row[0].legend(fontsize=7)
     fig.tight_layout()
+    if path is None:
+        return fig
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
