@@ -13,13 +13,23 @@ with exactly the parameters of an uninterrupted run: the batch of step s depends
 (seed, s), and the router-noise RNG state is part of the checkpoint. ``resume=False``
 starts a new run, replacing any run already in ``out_dir``. A non-finite loss
 stops training with a ``ValueError``; the newest checkpoint on disk is the last good one.
+
+A run may start from given weights instead of ``cfg.seed``'s initialisation
+(``init_from``: a model, its state, or a run folder; e.g. an upcycled MoE,
+:mod:`mini_moe.upcycle`), at a later step (``start_step``: its batches are then those a run from
+step 0 would see from there on), with a fresh optimizer. ``history.json`` records where it
+started (``history["start"]``), and a folder that holds checkpoints of a run started otherwise is
+refused rather than resumed. ``measure`` / ``measure_at`` call a function on the model at chosen
+steps, outside the training clock.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
+import os
 import pathlib
 import shutil
 import time
@@ -336,6 +346,73 @@ def config_from_json(obj: dict) -> TrainConfig:
     return TrainConfig(**{**obj, "model": ModelConfig(**model), "mesh": mesh})
 
 
+# ------------------------------------------------------------------ start from given weights
+
+
+def _flat_values(state) -> dict:
+    """``{"a.b.c": array}`` of every variable in ``state`` (random keys as their key data)."""
+    out = {}
+    for path, v in nnx.to_flat_state(state):
+        x = v[...] if isinstance(v, nnx.Variable) else v
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        out[".".join(map(str, path))] = np.asarray(x)
+    return out
+
+
+def state_fingerprint(state) -> str:
+    """A SHA-256 of every variable of ``state`` (path, dtype, shape and bytes): what
+    ``history["start"]`` records, so that a resume can tell whether it starts from the same
+    weights."""
+    digest = hashlib.sha256()
+    for name, x in sorted(_flat_values(state).items()):
+        digest.update(f"{name}:{x.dtype}:{x.shape}".encode())
+        digest.update(np.ascontiguousarray(x).tobytes())
+    return digest.hexdigest()
+
+
+def _init_source(init_from) -> tuple[Any, dict]:
+    """``(state, description)`` of ``train``'s ``init_from``: a model, its ``nnx.state``, or a run
+    folder (its newest checkpoint; :func:`load_trained` a model for another one)."""
+    if isinstance(init_from, VisionMoE):
+        return nnx.state(init_from), {"model": json.loads(json.dumps(dataclasses.asdict(init_from.cfg)))}
+    if isinstance(init_from, nnx.State):
+        return init_from, {"state": "an nnx.State passed to train()"}
+    if isinstance(init_from, (str, os.PathLike)):
+        folder = pathlib.Path(init_from)
+        model, saved = load_trained(folder)
+        step = _manager(folder, saved.keep_every).latest_step()
+        return nnx.state(model), {"run": str(folder.resolve()), "step": step}
+    raise InputError(f"init_from must be a VisionMoE, an nnx.State of one, or a run folder, got "
+                     f"{type(init_from).__name__}.")
+
+
+def start_from(model: VisionMoE, state) -> None:
+    """Copy ``state`` (every variable of a model: parameters, router state, RNG streams) into
+    ``model``, after checking that both hold the same variables with the same shapes and dtypes;
+    an :class:`~mini_moe.validate.InputError` names the first that differs."""
+    have, given = _flat_values(nnx.state(model)), _flat_values(state)
+    for name in sorted(have.keys() | given.keys()):
+        if name not in given:
+            raise InputError(f"init_from has no variable {name} {have[name].shape}, which the model of the "
+                             f"configuration has (a model of another architecture or router?).")
+        if name not in have:
+            raise InputError(f"init_from has a variable {name} {given[name].shape} that the model of the "
+                             f"configuration lacks (a model of another architecture or router?).")
+        if (have[name].shape, have[name].dtype) != (given[name].shape, given[name].dtype):
+            raise InputError(f"init_from's {name} has shape {given[name].shape} ({given[name].dtype}); the model "
+                             f"of the configuration needs {have[name].shape} ({have[name].dtype}).")
+
+    def fresh(x):  # the value as a new array, as a model built by make_model holds it: not committed to
+        # a device (a restored or copied one is), so the training step compiled for a run of the same
+        # configuration from its seed serves this run too
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(jnp.asarray(np.asarray(jax.random.key_data(x))), impl=jax.random.key_impl(x))
+        return jnp.asarray(np.asarray(x))
+
+    nnx.update(model, jax.tree.map(fresh, state))
+
+
 # ---------------------------------------------------------------------- train
 
 
@@ -413,6 +490,19 @@ def budget_config(cfg: TrainConfig, seconds: float, *, out_dir=None, datasets=No
     )
 
 
+def _check_start(out_dir, saved, wanted) -> None:
+    """Refuse to resume the checkpoints in ``out_dir`` when their run started otherwise than this
+    call asks (``history["start"]``: None for a run from ``cfg.seed``'s initialisation at step 0)."""
+    key = lambda record: None if record is None else (record["step"], record["fingerprint"])
+    if key(saved) != key(wanted):
+        def say(record):
+            return ("from cfg.seed's initialisation at step 0" if record is None else
+                    f"at step {record['step']} from {record['from']} (weights {record['fingerprint'][:12]})")
+        raise InputError(f"{out_dir} holds checkpoints of a run that started {say(saved)}; this call starts "
+                         f"{say(wanted)}. Pass the same init_from and start_step to resume it, or use another "
+                         "out_dir, or resume=False to replace it.")
+
+
 def plateaued(evals: list[dict], patience: int, min_delta: float) -> bool:
     """The early-stopping rule of :class:`~mini_moe.config.TrainConfig` (``patience`` > 0) on the
     evaluations so far (``[{"step", "test_accuracy"}]``, the accuracy on the run's evaluation
@@ -425,7 +515,8 @@ def plateaued(evals: list[dict], patience: int, min_delta: float) -> bool:
     return bool(before) and not max(e["test_accuracy"] for e in evals) >= max(before) + min_delta
 
 
-def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = True, datasets=None) -> dict:
+def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = True, datasets=None,
+          init_from=None, start_step: int = 0, measure=None, measure_at=()) -> dict:
     """Train ``cfg`` into ``out_dir``; returns the history (also written as JSON).
 
     Args:
@@ -436,14 +527,43 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         and model are ready, its checkpoints and history are deleted, its config replaced).
       progress: show a progress bar.
       datasets: optional ``(train, test)`` already loaded and standardised.
+      init_from: None (the model of ``cfg.seed``), or the weights a new run starts from: a
+        :class:`~mini_moe.model.VisionMoE` (e.g. :func:`mini_moe.upcycle.upcycle`'s), its
+        ``nnx.state``, or a run folder (its newest checkpoint). Every variable is copied (also
+        the RNG streams and router state); they must match ``cfg.model``'s variables in path,
+        shape and dtype, else an ``InputError`` names the first that differs. The optimizer
+        starts fresh (warm-up included). ``history["start"]`` records ``step``, ``from`` and a
+        ``fingerprint`` of the weights (:func:`state_fingerprint`). A folder with checkpoints is
+        resumed only when its recorded start is this one (same weights and ``start_step``; no
+        record and no ``init_from`` for a plain run); anything else is an ``InputError``, never a
+        silent reuse of the old run.
+      start_step: the first step this run trains (with ``init_from`` only): it trains steps
+        ``start_step, ..., cfg.steps - 1`` on the batches of those steps (:func:`batch_at`),
+        and its checkpoints and logs are numbered by them. The learning-rate schedule counts
+        the optimizer's own updates from 0: a ``"cosine"`` schedule would end at
+        ``cfg.steps - start_step`` updates unfinished, so use ``schedule="constant"``.
+      measure, measure_at: ``measure(step, model)`` is called when ``step`` training steps are
+        done, for each ``step`` in ``measure_at`` (also ``start_step``: before the first
+        update of a new run), outside the training clock; ``model`` is the live model in
+        training mode, so measure it under :func:`mini_moe.evaluate.eval_mode` and leave it as
+        it is. A resumed run measures again the steps after its checkpoint.
     """
     out_dir = pathlib.Path(out_dir)
     config_path = out_dir / "config.json"
     history_path = out_dir / "history.json"
     if resume:
         check_saved_config(out_dir, cfg)
+    if isinstance(start_step, bool) or not isinstance(start_step, int) or not 0 <= start_step < cfg.steps:
+        raise InputError(f"start_step must be an integer in [0, steps={cfg.steps}), got {start_step!r}.")
+    if start_step and init_from is None:
+        raise InputError("start_step > 0 needs init_from: the weights that step starts from.")
     train_ds, test_ds = datasets if datasets is not None else load_data(cfg)
     model = make_model(cfg)  # data and model first: a failed start leaves out_dir untouched
+    wanted_start = None
+    if init_from is not None:
+        state, source = _init_source(init_from)
+        start_from(model, state)
+        wanted_start = {"step": start_step, "from": source, "fingerprint": state_fingerprint(state)}
     optimizer = make_optimizer(model, cfg)
     if not resume:  # a new run: nothing of a previous one may survive (Orbax keeps newer steps)
         shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
@@ -456,17 +576,26 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         parallel.shard_model(model, mesh, optimizer)
     manager = _manager(out_dir, cfg.keep_every)
     history = {"train": [], "eval": [], "seconds": 0.0}
-    start = 0
+    if wanted_start is not None:
+        history["start"] = wanted_start
+    start = start_step
     if resume and manager.latest_step() is not None:
+        saved = json.loads(history_path.read_text()) if history_path.exists() else {}
+        _check_start(out_dir, saved.get("start"), wanted_start)
         start = restore_checkpoint(manager, model, optimizer)
-        if history_path.exists():
-            history = json.loads(history_path.read_text())
+        if saved:
+            history = saved
             history["train"] = [r for r in history["train"] if r["step"] <= start]
             history["eval"] = [r for r in history["eval"] if r["step"] <= start]
     model.train()
 
     def write_history():
         history_path.write_text(json.dumps(history, indent=1))
+
+    if start == start_step and wanted_start is not None:
+        write_history()  # the start's record precedes the run's first checkpoint
+    if measure is not None and start == start_step and start in measure_at:
+        measure(start, model)
 
     bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"{cfg.model.router or 'dense'}")
     # The loop does not wait for the device after each step: steps are dispatched asynchronously
@@ -508,8 +637,9 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         checkpoint_now = done % cfg.checkpoint_every == 0 or done == cfg.steps
         maybe_out_of_time = (cfg.max_seconds is not None
                              and history["seconds"] + time.perf_counter() - tick >= cfg.max_seconds)
+        measure_now = measure is not None and done in measure_at
         stop = False
-        if log or evaluate_now or checkpoint_now or maybe_out_of_time:
+        if log or evaluate_now or checkpoint_now or maybe_out_of_time or measure_now:
             wait_and_check()
             stop = cfg.max_seconds is not None and history["seconds"] >= cfg.max_seconds
             if log:
@@ -518,6 +648,8 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
                 row.update({f"router/{k}": float(v) for k, v in stats["router"].items()})
                 history["train"].append(row)
                 bar.set_postfix(loss=f"{row['loss']:.3f}", acc=f"{row['accuracy']:.3f}")
+            if measure_now:
+                measure(done, model)
             if evaluate_now or stop:
                 acc = evaluate.accuracy(model, test_ds, batch_size=cfg.eval_batch_size)
                 history["eval"].append({"step": done, "seconds": round(history["seconds"], 2),

@@ -727,3 +727,90 @@ def test_each_seed_has_noise_and_parameter_streams_of_its_own():
     forked = {key_data(m.rngs.key[...]) for _, m in nnx.iter_graph(model) if hasattr(m, "noise_std")}
     noise_base = train.model_rngs(3).noise.key[...]
     assert forked and forked == {key_data(jax.random.fold_in(noise_base, c)) for c in range(len(forked))}
+
+
+# ------------------------------------------------------------- a run that starts from given weights
+
+
+def _flat(model) -> dict:
+    return train._flat_values(nnx.state(model))
+
+
+@pytest.fixture(scope="module")
+def upcycled_start(tmp_path_factory, digits):
+    """A dense run of 6 steps, its model upcycled to Token Choice (E = 4), and the configuration of
+    an MoE run that continues it from step 6 to 12 (issue 54)."""
+    from mini_moe.upcycle import upcycle
+
+    folder = tmp_path_factory.mktemp("dense")
+    train.train(_cfg(router=None), folder, progress=False, datasets=digits)
+    dense, _ = train.load_trained(folder)
+    moe = upcycle(dense, router="softmax_token_choice", num_experts=4, seed=3)
+    cfg = dataclasses.replace(_cfg(steps=12, schedule="constant", warmup_steps=1), model=moe.cfg)
+    return folder, dense, moe, cfg
+
+
+def test_a_run_from_given_weights_starts_with_them_and_resumes_exactly(tmp_path, digits, upcycled_start, monkeypatch):
+    """``init_from`` + ``start_step``: at its start the model holds exactly the given weights (all of
+    its variables); it trains on the batches from ``start_step`` on; history records the start; an
+    interrupted run resumes to the same parameters as an uninterrupted one."""
+    import functools
+
+    _, _, moe, cfg = upcycled_start
+    seen = {}
+
+    def measure(step, model):
+        seen[step] = _flat(model)
+
+    history = train.train(cfg, tmp_path / "straight", progress=False, datasets=digits, init_from=moe, start_step=6,
+                          measure=measure, measure_at={6, 9})
+    assert sorted(seen) == [6, 9]
+    want = _flat(moe)
+    assert seen[6].keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_array_equal(seen[6][name], value, err_msg=name)
+    assert any(not np.array_equal(seen[9][n], want[n]) for n in want)  # it trained
+    assert history["start"]["step"] == 6 and history["start"]["fingerprint"] == train.state_fingerprint(nnx.state(moe))
+    assert history["start"]["from"]["model"]["router"] == "softmax_token_choice"
+    assert [r["step"] for r in history["eval"]] == [9, 12] and [r["step"] for r in history["train"]] == [12]
+
+    from interrupted import train_interrupted_then_resumed
+
+    monkeypatch.setattr(train, "train", functools.partial(train.train, init_from=moe, start_step=6))
+    resumed = train_interrupted_then_resumed(cfg, tmp_path / "resumed", digits, monkeypatch)
+    monkeypatch.undo()
+    assert resumed["start"] == history["start"] and [r["step"] for r in resumed["eval"]] == [9, 12]
+    a, _ = train.load_trained(tmp_path / "straight")
+    b, _ = train.load_trained(tmp_path / "resumed")
+    for x, y in zip(_params(a), _params(b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_run_from_given_weights_refuses_other_checkpoints_and_other_shapes(tmp_path, digits, upcycled_start):
+    """Never a silent reuse: a folder whose checkpoints started otherwise (other weights, another
+    step, or a plain run) is refused, either way; weights of another shape are an InputError that
+    names the variable, raised before ``out_dir`` is touched."""
+    from mini_moe.upcycle import upcycle
+
+    dense_dir, dense, moe, cfg = upcycled_start
+    train.train(cfg, tmp_path / "up", progress=False, datasets=digits, init_from=moe, start_step=6)
+    other = upcycle(dense, router="softmax_token_choice", num_experts=4, seed=4)
+    for kwargs in ({}, dict(init_from=other, start_step=6), dict(init_from=moe, start_step=3)):
+        with pytest.raises(train.InputError, match="holds checkpoints of a run that started at step"):
+            train.train(cfg, tmp_path / "up", progress=False, datasets=digits, **kwargs)
+    train.train(cfg, tmp_path / "plain", progress=False, datasets=digits)
+    with pytest.raises(train.InputError, match="started from cfg.seed's initialisation at step 0"):
+        train.train(cfg, tmp_path / "plain", progress=False, datasets=digits, init_from=moe, start_step=6)
+    # shapes: two experts where the configuration has four; a dense run folder for an MoE model
+    two = upcycle(dense, router="softmax_token_choice", num_experts=2, seed=3)
+    with pytest.raises(train.InputError, match=r"init_from's blocks\.1\.mlp\.experts\.b1 has shape \(2, 1, 16\)"):
+        train.train(cfg, tmp_path / "bad", progress=False, datasets=digits, init_from=two)
+    with pytest.raises(train.InputError, match=r"init_from has no variable blocks\.1\.mlp\.experts"):
+        train.train(cfg, tmp_path / "bad", progress=False, datasets=digits, init_from=dense_dir)
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(train.InputError, match="start_step > 0 needs init_from"):
+        train.train(cfg, tmp_path / "bad", progress=False, datasets=digits, start_step=2)
+    # a run folder as the source: its newest checkpoint, recorded by folder and step
+    history = train.train(_cfg(router=None, steps=9), tmp_path / "dense2", progress=False, datasets=digits,
+                          init_from=dense_dir, start_step=6)
+    assert history["start"]["from"] == {"run": str(dense_dir.resolve()), "step": 6}
