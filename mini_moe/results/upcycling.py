@@ -226,7 +226,7 @@ def _measure_steps(arm: str, plan: Plan) -> list[int]:
     return after
 
 
-def run_cell(arm: str, seed: int, plan: Plan, runs: pathlib.Path, datasets) -> dict:
+def run_cell(arm: str, seed: int, plan: Plan, runs: pathlib.Path, datasets, *, dense_failed: bool = False) -> dict:
     """Train (or resume) one cell and return its record (``failed`` set when its loss became
     non-finite)."""
     tick = time.perf_counter()
@@ -238,8 +238,12 @@ def run_cell(arm: str, seed: int, plan: Plan, runs: pathlib.Path, datasets) -> d
     start = plan.n if kind == "upcycled" else 0
     init = None
     if kind == "upcycled":
-        if plan.n not in train._manager(runs / f"dense-s{seed}", plan.keep_every).all_steps():
-            return {"failed": f"the dense cell of seed {seed} has no checkpoint at step {plan.n}"}
+        dense_dir = runs / f"dense-s{seed}"
+        if not (dense_dir / "checkpoints").is_dir() or plan.n not in train._manager(dense_dir, plan.keep_every).all_steps():
+            if dense_failed:  # stop rule 1: the dense cell failed before N, so this arm cannot start
+                return {"failed": f"the dense cell of seed {seed} failed with no checkpoint at step {plan.n}"}
+            raise SystemExit(f"upcycling: {arm} seed {seed} starts from {dense_dir}'s checkpoint at step {plan.n}, "
+                             "which is not here: run on the machine that trained the dense cell (or copy its folder).")
         init = upcycled_start(arm, seed, plan, runs)
     probes_path = folder / "probes.json"
     probes = {int(k): v for k, v in json.loads(probes_path.read_text()).items()} if probes_path.exists() else {}
@@ -328,7 +332,8 @@ def run_study(plan: Plan, seeds, runs: pathlib.Path, *, source: str | None = Non
         if datasets is None:
             datasets = train.load_data(config("dense", seed, plan))
         print(f"upcycling {plan.name}: {arm} seed {seed}", file=sys.stderr, flush=True)
-        record = {"arm": arm, "seed": seed, **run_cell(arm, seed, plan, runs, datasets),
+        dense_failed = any((r["arm"], r["seed"]) == ("dense", seed) and "failed" in r for r in done)
+        record = {"arm": arm, "seed": seed, **run_cell(arm, seed, plan, runs, datasets, dense_failed=dense_failed),
                   "source_commit": state["commit"], "source_dirty": state["dirty"], "cpu": bench.machine()["cpu"]}
 
         def update(rec, record=record):
