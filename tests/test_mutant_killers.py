@@ -435,3 +435,65 @@ def test_expert_weights_start_at_lecun_scale_per_expert():
     for weights, fan_in in ((experts.w1[...], 64), (experts.w2[...], 128)):
         for e in range(8):
             assert np.var(np.asarray(weights[e])) * fan_in == pytest.approx(1.0, rel=0.05)
+
+
+def test_the_kernel_asked_for_is_the_kernel_that_runs():
+    """Mutant layer:298 (``kernel == "auto" or backend == "cpu"``): on a CPU an explicit
+    ``kernel="ragged_dot"`` must lower to XLA's ragged dot, not fall back to the blocked kernel
+    (the outputs agree, so only the traced program tells them apart); ``"blocked"`` and ``"auto"``
+    on a CPU use the blocked kernel, which has no ragged dot."""
+    rows = jnp.ones((8, 4), jnp.float32)
+    weights = jnp.ones((2, 4, 3), jnp.float32)
+    sizes = jnp.array([5, 3], jnp.int32)
+
+    def program(kernel):  # the traced program: XLA's CPU lowering of ragged_dot leaves no ragged op
+        return str(jax.make_jaxpr(lambda r, w, s: layer.grouped_matmul(r, w, s, kernel=kernel))(rows, weights, sizes))
+
+    assert "ragged_dot" in program("ragged_dot")
+    assert jax.default_backend() != "cpu" or "ragged_dot" not in program("auto")
+    assert "ragged_dot" not in program("blocked")
+
+
+def test_moe_sorted_routes_each_token_to_its_top_1_by_default():
+    """Mutant layer:104 (default ``k`` 1 -> 0): called without ``k``, the dropless layer is
+    top-1 Token Choice, as its signature documents: each token's output is its best expert's
+    output times its score."""
+    from mini_moe.layer import MlpExperts, moe_sorted
+
+    x = jax.random.normal(jax.random.key(0), (6, 8))
+    scores = jax.nn.softmax(jax.random.normal(jax.random.key(1), (6, 4)), -1)
+    experts = MlpExperts(4, 8, 16, rngs=nnx.Rngs(0))
+    y = moe_sorted(x, scores, experts)
+    best = jnp.argmax(scores, -1)
+    everyone = experts(jnp.broadcast_to(x, (4, 6, 8)))  # [E, T, D]: every expert on every token
+    expected = scores[jnp.arange(6), best][:, None] * everyone[best, jnp.arange(6)]
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_routing_metrics_dropped_is_a_fraction_in_both_forms():
+    """Mutant routing:336 (the dense form's ``dropped`` summed instead of averaged): with k = 1
+    and C = 1 most tokens find no slot, and both forms give the fraction of tokens that reach none."""
+    scores = jax.nn.softmax(jnp.asarray(_rng(6).normal(size=(2, 9, 4)), jnp.float32))
+    rt = routing.token_choice(scores, capacity=1)
+    expected = _np_metrics(np.asarray(rt.dispatch))["dropped"]
+    assert 0.5 < expected < 1.0
+    for form in (rt, routing.Routing(rt.dispatch, rt.combine, sparse=True)):
+        np.testing.assert_allclose(routing.routing_metrics(form)["dropped"], expected, rtol=RTOL)
+
+
+def test_a_score_equal_to_min_score_is_not_a_pick():
+    """Mutants routing:189 and layer:146 (``>=`` for ``>``): ReLU routing makes a pick only where
+    the gate is positive. An exact zero gate (ReLU's output for every negative logit) is no pick:
+    Token Choice gives it no slot, and the dropless layer sends it no row, so no gradient reaches
+    that score (a made pick's gradient is its expert's output)."""
+    from mini_moe.layer import MlpExperts, moe_sorted
+
+    scores = jnp.asarray([[0.0, 0.7, 0.0], [0.4, 0.0, 0.0], [0.0, 0.0, 0.0]], jnp.float32)
+    rt = routing.token_choice(scores, capacity=3, k=3, min_score=0.0)
+    reached = np.asarray(rt.dispatch).sum(-1) > 0  # [T, E]
+    np.testing.assert_array_equal(reached, np.asarray(scores) > 0)
+    x = jax.random.normal(jax.random.key(0), (3, 8))
+    experts = MlpExperts(3, 8, 16, rngs=nnx.Rngs(0))
+    grad = jax.grad(lambda s: jnp.sum(moe_sorted(x, s, experts, k=3, min_score=0.0)))(scores)
+    assert np.all(np.asarray(grad)[np.asarray(scores) == 0] == 0)
+    assert np.all(np.asarray(grad)[np.asarray(scores) > 0] != 0)
