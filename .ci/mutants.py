@@ -92,6 +92,7 @@ SUITE = {
         "tests/test_bug_zoo.py::test_megatron_1513_the_sequence_wise_loss_counts_the_top_k_not_what_capacity_kept",
     ],
     "layer": [
+        "tests/test_dropless.py::test_megablox_kernel_equals_ragged_dot",  # the only test of the TPU kernel's branch (Pallas interpreter)
         "tests/test_layer.py::test_bad_inputs",
         "tests/test_layer.py::test_moe_sorted_rejects_bad_arguments",
         "tests/test_layer.py::test_einsum_and_gather_paths_agree_with_gradients",
@@ -123,13 +124,41 @@ EQUIVALENT: dict[str, str] = {
     "layer:210:28:compare": "_per_block with g <= G also multiplies an unused block (g == G) by weights[G-1]; that "
                             "block holds only zero rows and its output rows are never read back (dest points only "
                             "into used blocks), so the result is unchanged.",
+    "layer:270:24:const": "default_block takes the largest power of two at most min(129, M / 2G) instead of "
+                          "min(128, ...): 128 either way, since no power of two lies in (128, 129].",
+    "routing:198:99:const": "BPR's map back to token indices reads order[min(slot, T)] instead of "
+                            "order[min(slot, T - 1)] only for empty slots (slot == T), whose value the enclosing "
+                            "where replaces by T; JAX clamps the out-of-range gather, and integer indices carry no "
+                            "gradient.",
+    "layer:199:80:const": "_block_layout clamps a row's group to G instead of G - 1 only for rows past the last "
+                          "group's end (searchsorted gives G there); those rows' dest is the out-of-range "
+                          "num_blocks * block whatever their group, and the gathers by group clamp the index to "
+                          "G - 1 anyway.",
+    "layer:160:59:const": "moe_sorted feeds 1 instead of 0 into the rows of picks not made; those rows lie outside "
+                          "every group (the kernel need not compute them) and are selected away on the way out "
+                          "(where(chosen, rows, 0)), and a select sends no gradient to what it drops.",
+    "layer:147:83:const": "moe_sorted's gate of a pick not made is 1 instead of 0; it multiplies a row already "
+                          "selected to 0 (where(chosen, rows, 0) * gate), and where(made, gates, 1) sends no "
+                          "gradient to the dropped gates either way.",
+    "layer:249:88:kwstr": "_blocked_bwd writes the row gradients with mode='clip' instead of 'drop': only rows past "
+                          "the last group's end have the out-of-range dest, and they exist only when M > ends[-1]; "
+                          "then num_blocks * block - padded_ends[-1] >= (M - ends[-1]) + (G - 1) >= 1, so the "
+                          "clipped index (the very last row) is never a real row, and its gradient multiplies "
+                          "zero-padded inputs.",
+    "routing:406:57:compare": "max_violation divides by where(mean >= 0, mean, 1) instead of where(mean > 0, ...): "
+                              "it differs only at mean == 0, where the outer where(mean > 0, ..., 0) returns 0 "
+                              "either way; MaxVio is a logged metric, never differentiated.",
+    "layer:339:54:const": "lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,)) on [E, D, H]: Flax's fan-in is "
+                          "the in-axis size times the receptive field, size / (in x out x batch), so it is "
+                          "size / (out x batch) = D whichever non-batch axis is named in_axis: the same draws.",
+    "layer:306:14:call": "megablox's row tile max(128, M) instead of min(128, M): the rows are padded to whole "
+                         "tiles either way and the grouped product does not depend on the tiling (only the "
+                         "kernel's speed and memory on a TPU do); outputs and gradients are identical.",
+    "layer:306:27:call": "megablox's contraction tile max(128, K) instead of min(128, K): as for the row tile, the "
+                         "product does not depend on the tiling; identical outputs and gradients.",
 }
 # Notes on the survivors that are not equivalent (why no test kills them yet).
-SURVIVOR_NOTES: dict[str, str] = {
-    "layer:339:83:const": "not equivalent: batch_axis=(1,) makes lecun_normal's fan-in D*E, so w1/w2 start "
-                          "sqrt(E) too small; no test checks the initial scale (a variance test of the weights "
-                          "against 1/D would kill it; not written yet).",
-}
+SURVIVOR_NOTES: dict[str, str] = {}
 
 SWAP_BINOP = {ast.Add: ast.Sub, ast.Sub: ast.Add, ast.Mult: ast.Div, ast.Div: ast.Mult,
               ast.FloorDiv: ast.Mult, ast.Pow: ast.Mult, ast.Mod: ast.FloorDiv,
@@ -553,9 +582,11 @@ def markdown(report):
         "/tmp/mutants-results.jsonl; delete that file to start over).",
         f"- Mutants generated: {report['generated']} ({sum(report['generated'].values())}); "
         f"sampling: {report['sampling']}; run: {t['all']['mutants']}.",
-        "- Partial when 'run' is below the sample: the run goes in sha1(id) order and was stopped at the "
-        "session's time box (issue 52 §3, 2026-11-27: 16 mutants of the sha1 order plus 2 from an earlier "
-        "start in id order); `make mutants` resumes it.",
+        "- A run goes in sha1(id) order and is resumable (a 'run' below the sample is a partial run). The "
+        "committed one (2026-11-27/28) ran all 160; the survivors of its first pass were run again "
+        "(`--only ID --rerun`) once their tests existed, and the megablox test joined the layer suite then "
+        "(the only test of the TPU kernel's branch, under Pallas' interpreter). A mutant's record is its "
+        "last run.",
         "- A mutant is run against a fast subset of the existing tests (`SUITE` in the script); if it "
         "survives, against `tests/test_mutant_killers.py`, the tests added for the survivors.", "",
         "| module | mutants | killed by the suite (incl. timeout/error) | survived the suite | killed by a new test "
