@@ -99,7 +99,8 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
 def _moe_layers(model):
     layers = [block for block in model.blocks if block.use_moe]
     if not layers:
-        raise InputError("the explorer needs a model with MoE layers; this one is dense (router=None).")
+        raise InputError("routing views and measurements need a model with MoE layers; this one is dense "
+                         "(router=None).")
     return layers
 
 

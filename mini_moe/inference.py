@@ -35,9 +35,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from scipy import stats
 
-from mini_moe import evaluate, explorer, routing
+from mini_moe import evaluate, explorer, routing, study
 from mini_moe import routers as routers_lib
 from mini_moe.validate import InputError, check_int
 
@@ -51,11 +50,8 @@ INVARIANT_MODES = ("per_image", "dropless")
 MITIGATIONS = (None, "random_order", "slack", "bpr", "per_image")
 
 
-def _moe_blocks(model):
-    blocks = [block for block in model.blocks if block.use_moe]
-    if not blocks:
-        raise InputError("routing at inference needs a model with MoE layers; this one is dense (router=None).")
-    return blocks
+#: The model's MoE blocks (an InputError for a dense model): the explorer's helper.
+_moe_blocks = explorer._moe_layers
 
 
 def group_size(model) -> int:
@@ -65,13 +61,11 @@ def group_size(model) -> int:
 
 
 def _interval(shares) -> dict:
-    """Mean of ``shares`` (one per regrouping) with a two-sided 95 % t interval over them."""
-    shares = np.asarray(shares, float)
-    mean = float(shares.mean())
-    if len(shares) < 2 or shares.std(ddof=1) == 0:
-        return {"mean": mean, "low": mean, "high": mean, "shares": shares.tolist()}
-    half = stats.t.ppf(0.975, len(shares) - 1) * shares.std(ddof=1) / math.sqrt(len(shares))
-    return {"mean": mean, "low": max(0.0, mean - half), "high": min(1.0, mean + half), "shares": shares.tolist()}
+    """Mean of ``shares`` (one per regrouping) with its two-sided 95 % t interval
+    (:func:`mini_moe.study.paired_t`), clipped to [0, 1]."""
+    shares = [float(x) for x in shares]
+    t = study.paired_t(shares)
+    return {"mean": t["difference"], "low": max(0.0, t["ci_low"]), "high": min(1.0, t["ci_high"]), "shares": shares}
 
 
 def predictions(model, images: np.ndarray, order=None, *, batch_size: int = 400) -> np.ndarray:
