@@ -5,6 +5,7 @@
   per-expert quantity, computed per group and averaged over groups.
 * The Switch Transformer / GShard balancing loss :func:`switch_loss` (Fedus et al. 2022,
   eq. 4-6; Lepikhin et al. 2021), used by most language MoEs.
+* AdaMoE's null-aware variant :func:`null_aware_switch_loss` (null experts pooled).
 * The router z-loss :func:`z_loss` (Zoph et al. 2022, ST-MoE, eq. 5), which keeps the
   router's logits small.
 * Pairwise Router Consistency :func:`pairwise_router_consistency` (paper 004).
@@ -116,6 +117,37 @@ def switch_loss(probs: Array, *, k: int = 1, scope: str = "group", axis_name: st
     else:
         fraction, mean_prob = counts.mean(-2) / k, probs.mean(-2)  # [..., E]
     return jnp.mean(num_experts * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob, axis=-1))
+
+
+def null_aware_switch_loss(probs: Array, *, k: int, null_experts: int) -> Array:
+    """AdaMoE's null-aware balancing loss (Zeng et al. 2024, arXiv 2406.13233, Sec. 3):
+    :func:`switch_loss` over the E real and Z null experts, with the Z null experts' ``f_i`` and
+    ``P_i`` each replaced by their mean over the null experts. The null experts are identical
+    (they compute nothing), so how the null picks spread among them does not matter; only
+    their total share does, and the loss pushes it toward ``Z / (E + Z)`` of the picks like any
+    expert's. Without null experts (``null_experts = 0``) it is :func:`switch_loss`.
+
+    Args:
+      probs: ``[..., T, E + Z]`` routing probabilities, the null experts last.
+      k: picks per token (real and null together).
+      null_experts: Z.
+
+    Returns:
+      Scalar, averaged over leading (group) axes.
+    """
+    total = probs.shape[-1]
+    if not 0 <= null_experts < total:
+        raise InputError(f"null_experts must be in [0, {total}) (the last columns of probs), got {null_experts!r}.")
+    if not 1 <= k <= total:
+        raise InputError(f"k must be in [1, E + Z={total}], got k={k!r}.")
+    picks = jax.lax.top_k(probs, k)[1]
+    fraction = jax.nn.one_hot(picks, total, dtype=probs.dtype).sum(-2).mean(-2) / k  # [..., E + Z]
+    mean_prob = probs.mean(-2)
+    if null_experts:
+        pool = lambda v: jnp.concatenate(  # the null columns -> their mean, repeated
+            [v[..., :-null_experts], jnp.repeat(v[..., -null_experts:].mean(-1, keepdims=True), null_experts, -1)], -1)
+        fraction, mean_prob = pool(fraction), pool(mean_prob)
+    return jnp.mean(total * jnp.sum(jax.lax.stop_gradient(fraction) * mean_prob, axis=-1))
 
 
 def sequence_balance_loss(scores: Array, chosen: Array) -> Array:

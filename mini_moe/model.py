@@ -29,7 +29,7 @@ _ModuleList = getattr(nnx, "List", list)
 
 from mini_moe import parallel
 from mini_moe import routers as routers_lib
-from mini_moe.layer import PATHS, MlpExperts, moe, moe_sorted, overflow
+from mini_moe.layer import NULL_KINDS, PATHS, MlpExperts, NullExperts, moe, moe_sorted, overflow
 from mini_moe.validate import InputError, check_int
 
 Array = Any
@@ -60,6 +60,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype, "float32" or "bfloat16" (parameters stay float32; see VisionMoE)
     fine_grained: int = 1  # m: every expert split into m of mlp_dim / m hidden units (DeepSeekMoE)
     shared_experts: int = 0  # K_s fine-grained experts that every token passes through (DeepSeekMoE)
+    null_experts: tuple = ()  # kinds of the null experts in the router's choice set ("zero", "identity", "constant")
 
     def __post_init__(self):
         for name in ("image_size", "channels", "patch_size", "num_classes", "dim", "depth", "heads",
@@ -90,6 +91,16 @@ class ModelConfig:
             raise InputError(f"fine_grained={self.fine_grained} must divide mlp_dim={self.mlp_dim} "
                              "(each expert is split into fine_grained experts of mlp_dim / fine_grained units).")
         self.routed_options()  # validates the fine-grained budget
+        build = routers_lib.spec(self.router).build if self.router is not None else None
+        if build is not None and "null_experts" in inspect.signature(build).parameters and not self.null_experts:
+            raise InputError(f"router {self.router!r} has null experts in its choice set: give their kinds, e.g. "
+                             "null_experts=('zero',) * 4 (kinds: 'zero', 'identity', 'constant').")
+        if self.null_experts:
+            if not isinstance(self.null_experts, tuple) or any(k not in NULL_KINDS for k in self.null_experts):
+                raise InputError(f"null_experts must be a tuple of kinds from {NULL_KINDS}, got {self.null_experts!r}.")
+            if build is None or "null_experts" not in inspect.signature(build).parameters:
+                raise InputError(f"null_experts needs a router with null experts in its choice set ('adamoe' or "
+                                 f"'longcat'), not {self.router!r}.")
 
     @property
     def routed_experts(self) -> int:
@@ -107,6 +118,8 @@ class ModelConfig:
         Choice's ``capacity_factor`` become ``m x - K_s``. Soft MoE (slots, not experts per
         token) is not split."""
         kwargs = dict(self.router_kwargs)
+        if self.null_experts:
+            kwargs["null_experts"] = len(self.null_experts)
         m, shared = self.fine_grained, self.shared_experts
         if self.router is None or (m == 1 and shared == 0):
             return kwargs
@@ -198,6 +211,9 @@ class MoeLayer(nnx.Module):
         (:func:`~mini_moe.layer.moe_sorted`), with no ``[T, E, C]`` tensor.
       shared: None, or a module ``[..., D] -> [..., D]`` that every token passes through, added
         to the routed output (DeepSeekMoE's shared experts).
+      null: None, or the :class:`~mini_moe.layer.NullExperts` of a router with null experts
+        (``TokenChoice.null_experts``): the real experts take the routing tensors, the null ones
+        the router's ``null_gates``.
 
     With a ``mesh`` (:func:`mini_moe.parallel.make_mesh`) the experts run split over its
     ``"expert"`` axis and tokens travel by ``all_to_all``
@@ -205,23 +221,28 @@ class MoeLayer(nnx.Module):
     routings, einsum for soft ones), so a ``path`` other than ``"auto"`` is refused there.
     """
 
-    def __init__(self, router: routers_lib.Router, experts, *, path: str = "auto", shared=None):
+    def __init__(self, router: routers_lib.Router, experts, *, path: str = "auto", shared=None, null=None):
         if path not in MOE_PATHS:
             raise InputError(f"path must be one of {MOE_PATHS}, got {path!r}.")
         if path == "dropless" and not isinstance(router.allocation, routers_lib.TokenChoice):
             raise InputError(f"path='dropless' needs a Token Choice router, not {type(router.allocation).__name__}.")
-        self.router, self.experts, self.path, self.shared = router, experts, path, shared
+        routed_null = getattr(router.allocation, "null_experts", 0)
+        if routed_null != (0 if null is None else len(null.kinds)):
+            raise InputError(f"the router routes to {routed_null} null experts but the layer has "
+                             f"{0 if null is None else len(null.kinds)} (null: a NullExperts with one kind per "
+                             "null column of the router).")
+        self.router, self.experts, self.path, self.shared, self.null = router, experts, path, shared, null
 
     def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
         dropless = self.path == "dropless" and mesh is None
         out = self.router(x.astype(jnp.float32), dropless=dropless)
         if dropless:
-            a, allocation = out.affinities, self.router.allocation
-            bound = allocation.max_picks(math.prod(x.shape[:-1]))
-            y = moe_sorted(x, a.scores, self.experts, k=allocation.k, combine_scores=a.combine,
-                           min_score=allocation.min_score, max_picks=bound)
+            picks = self.router.allocation.real_picks(out.affinities)
+            bound = self.router.allocation.max_picks(math.prod(x.shape[:-1]))
+            y = moe_sorted(x, picks["scores"], self.experts, k=picks["k"], combine_scores=picks["combine_scores"],
+                           min_score=picks["min_score"], max_picks=bound)
             if bound is not None:  # the picks the bound dropped (ReMoE's first, nearly dense steps)
-                out.metrics["overflow"] = overflow(a.scores, k=allocation.k, min_score=allocation.min_score,
+                out.metrics["overflow"] = overflow(picks["scores"], k=picks["k"], min_score=picks["min_score"],
                                                    max_picks=bound)
         elif mesh is None:
             y = moe(x, out.routing, self.experts, path=self.path)
@@ -230,6 +251,9 @@ class MoeLayer(nnx.Module):
                              "layer picks its own path. Use moe_path='auto' with a mesh.")
         else:
             y = parallel.expert_parallel_moe(x, out.routing, self.experts, mesh)
+        if out.null_gates is not None:  # zero experts add nothing and are never computed
+            extra = self.null(x, out.null_gates)
+            y = y if extra is None else y + extra
         return (y if self.shared is None else y + self.shared(x)), out
 
 
@@ -247,7 +271,8 @@ class MoeMlp(MoeLayer):
         # K_s shared experts of `hidden` units summed are one MLP of K_s * hidden units.
         shared = DenseMlp(cfg.dim, cfg.shared_experts * hidden, dtype=jnp.dtype(cfg.dtype), rngs=rngs) \
             if cfg.shared_experts else None
-        super().__init__(router, experts, path=cfg.moe_path, shared=shared)
+        null = NullExperts(cfg.null_experts, cfg.dim, rngs=rngs) if cfg.null_experts else None
+        super().__init__(router, experts, path=cfg.moe_path, shared=shared, null=null)
         self.group_images = cfg.group_images
 
     def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:

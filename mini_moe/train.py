@@ -342,6 +342,7 @@ def check_saved_config(out_dir, cfg: TrainConfig) -> None:
 def config_from_json(obj: dict) -> TrainConfig:
     model = dict(obj["model"])
     model["router_kwargs"] = tuple(tuple(kv) for kv in model.get("router_kwargs", ()))
+    model["null_experts"] = tuple(model.get("null_experts", ()))
     mesh = None if obj.get("mesh") is None else tuple(obj["mesh"])
     return TrainConfig(**{**obj, "model": ModelConfig(**model), "mesh": mesh})
 

@@ -38,6 +38,8 @@ name                                   affinity                                 
 ``sparsity_constrained_expert_choice`` :class:`SparsityConstrainedPlan`         :class:`ExpertChoice`
 ``soft_moe``                           :class:`SlotLogits`                      :class:`SoftRouting`
 ``hash`` (a routing control)           :class:`HashProjection`                  :class:`TokenChoice`
+``adamoe``                             :class:`NullGates` (null-aware loss)     :class:`TokenChoice` (null)
+``longcat``                            :class:`NullGates` (bias controller)     :class:`TokenChoice` (null)
 ====================================== ======================================== ============================
 
 Routing controls, for experiments that ask whether the *learned* routing matters: any router
@@ -65,7 +67,8 @@ name every object): ``types.py`` (:class:`RouterOutput`, :class:`Budget`, :class
 with state of their own: :class:`SigmoidGates`, :class:`ReluGates`), ``stateful.py`` (the
 protocol through which models move such state: :class:`StatefulAffinity`), ``allocations.py``,
 ``controls.py`` (:func:`freeze`, :class:`HashProjection`), ``registry.py`` (:class:`Router` and the
-registry) and ``papers.py`` (the registered routers of the papers).
+registry), ``papers.py`` (the registered routers of the papers) and ``null.py`` (null experts in
+the choice set: :class:`NullGates`, ``adamoe``, ``longcat``).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ from mini_moe.routers.controls import FrozenWeight, HashProjection, freeze
 from mini_moe.routers.papers import (group_limited, hash_router, remoe, sigmoid_loss_free, sinkhorn_expert_choice,
                                      sinkhorn_token_choice, soft_moe, softmax_expert_choice, softmax_token_choice,
                                      sparsity_constrained_expert_choice, svmoe)
+from mini_moe.routers.null import NullGates, RealBias, adamoe, longcat
 from mini_moe.routers.registry import (ALLOCATION_CLASSES, ALLOCATIONS, Router, RouterSpec, make_router, per_image,
                                        register, spec)
 from mini_moe.routers.registry import ROUTERS as _ROUTERS
@@ -115,4 +119,5 @@ __all__ = [
     "ALLOCATIONS", "ALLOCATION_CLASSES", "RouterSpec", "ROUTERS", "register", "make_router", "per_image", "spec",
     "softmax_token_choice", "sigmoid_loss_free", "group_limited", "remoe", "hash_router", "sinkhorn_token_choice",
     "svmoe", "softmax_expert_choice", "sinkhorn_expert_choice", "sparsity_constrained_expert_choice", "soft_moe",
+    "NullGates", "RealBias", "adamoe", "longcat",
 ]

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 
 from mini_moe import routing
-from mini_moe.routers.types import Affinities, Budget
+from mini_moe.routers.types import Affinities, Array, Budget
 from mini_moe.validate import InputError, check_int
 
 
@@ -31,6 +32,13 @@ class TokenChoice:
       pick_bound: None, or on the dropless path at most this many picks per token on average
         over a call (``max_picks = ceil(pick_bound * tokens)`` of
         :func:`mini_moe.layer.moe_sorted`: the picks of largest score are kept).
+      null_experts: Z, the last Z of the affinity's E + Z columns are null experts (AdaMoE, MoE++,
+        LongCat-Flash; :class:`mini_moe.layer.NullExperts`): a token's k picks are its top k over
+        all E + Z columns, but a pick of a null expert takes no slot and is never dropped (it
+        costs no expert FLOPs, so it needs no buffer). The routing tensors ``[..., T, E, C]``
+        cover the E real experts, whose picks Algorithm 1 places as usual (each token's real
+        picks by decreasing score; C = round(capacity_factor * T / E)), and
+        :meth:`null_gates` gives the null picks' combine weights ``[..., T, Z]``.
     """
 
     k: int = 1
@@ -38,6 +46,7 @@ class TokenChoice:
     batch_priority: bool = False
     min_score: float | None = None
     pick_bound: float | None = None
+    null_experts: int = 0
     per_image = False
 
     def __post_init__(self):
@@ -49,6 +58,7 @@ class TokenChoice:
         object.__setattr__(self, "batch_priority", bool(self.batch_priority))
         if self.pick_bound is not None and not self.pick_bound > 0:
             raise InputError(f"pick_bound must be > 0 (picks per token on average) or None, got {self.pick_bound!r}.")
+        check_int("null_experts", self.null_experts, 0)
 
     def max_picks(self, num_tokens: int) -> int | None:
         """The dropless path's static bound on the picks of a call of ``num_tokens`` tokens."""
@@ -57,14 +67,50 @@ class TokenChoice:
     def check(self, num_experts: int) -> None:
         if self.k > num_experts:
             raise InputError(f"k must be <= num_experts={num_experts}, got k={self.k}.")
+        if self.null_experts >= num_experts:
+            raise InputError(f"null_experts={self.null_experts} leaves no real expert among the router's "
+                             f"{num_experts} columns; it must be < {num_experts}.")
 
     def budget(self, num_tokens: int, num_experts: int) -> Budget:
-        return Budget(self.k, routing.capacity(num_tokens, num_experts, self.capacity_factor))
+        """``num_experts``: the affinity's columns (E + Z); the capacity is per real expert."""
+        return Budget(self.k, routing.capacity(num_tokens, num_experts - self.null_experts, self.capacity_factor))
+
+    def real_picks(self, affinities: Affinities) -> dict:
+        """What Algorithm 1 (and :func:`mini_moe.layer.moe_sorted`) needs for the real experts:
+        ``scores`` and ``combine_scores`` ``[..., T, E]``, ``k`` and ``min_score``. Without null
+        experts, the affinities as they are. With Z null experts, the first E columns, where a
+        column that is not among the token's top k of all E + Z (or not above ``min_score``)
+        holds the lowest finite number and ``min_score`` is that number, so that pick is not made."""
+        combine = affinities.scores if affinities.combine is None else affinities.combine
+        if not self.null_experts:
+            return dict(scores=affinities.scores, combine_scores=affinities.combine, k=self.k, min_score=self.min_score)
+        scores = affinities.scores
+        real = scores.shape[-1] - self.null_experts
+        picked = self._picked(scores)[..., :real]
+        sentinel = jnp.finfo(scores.dtype).min
+        return dict(scores=jnp.where(picked, scores[..., :real], sentinel), combine_scores=combine[..., :real],
+                    k=min(self.k, real), min_score=float(sentinel))
+
+    def _picked(self, scores):
+        """``[..., T, E + Z]`` bool: the picks each token makes, its top k (above ``min_score``)."""
+        values, picks = jax.lax.top_k(scores, self.k)
+        made = jnp.ones(values.shape, bool) if self.min_score is None else values > self.min_score
+        return jnp.any(jax.nn.one_hot(picks, scores.shape[-1], dtype=bool) & made[..., None], axis=-2)
+
+    def null_gates(self, affinities: Affinities) -> Array | None:
+        """The null experts' combine weights ``[..., T, Z]`` (the affinity's combine source at the
+        null picks, 0 elsewhere); None without null experts."""
+        if not self.null_experts:
+            return None
+        combine = affinities.scores if affinities.combine is None else affinities.combine
+        picked = self._picked(affinities.scores)[..., -self.null_experts:]
+        return jnp.where(picked, combine[..., -self.null_experts:], 0)
 
     def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
-        return routing.token_choice(affinities.scores, capacity=budget.capacity, k=self.k,
-                                    batch_priority=self.batch_priority, combine_scores=affinities.combine,
-                                    min_score=self.min_score)
+        picks = self.real_picks(affinities)
+        return routing.token_choice(picks["scores"], capacity=budget.capacity, k=picks["k"],
+                                    batch_priority=self.batch_priority, combine_scores=picks["combine_scores"],
+                                    min_score=picks["min_score"])
 
 
 @dataclasses.dataclass(frozen=True)

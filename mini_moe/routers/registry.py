@@ -5,6 +5,7 @@ Re-exported by :mod:`mini_moe.routers`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax.numpy as jnp
@@ -72,13 +73,21 @@ class Router(nnx.Module):
             budget = budget._replace(capacity=num_tokens)  # an expert can take every token once
         rt = self.allocation(affinities, budget)
         metrics = routing.routing_metrics(rt)
+        null_gates = None
         if isinstance(self.allocation, TokenChoice):  # the demand before capacity cuts it
             load = routing.pick_load(affinities.scores, k=self.allocation.k, min_score=self.allocation.min_score)
-            metrics["max_violation"] = routing.max_violation(load)
-            metrics["pick_load"] = load  # [E]: an accumulated step's MaxVio comes from the summed loads
+            real = self.num_experts - self.allocation.null_experts
+            metrics["max_violation"] = routing.max_violation(load[:real])
+            metrics["pick_load"] = load  # [E + Z]: an accumulated step's MaxVio comes from the summed loads
+            null_gates = self.allocation.null_gates(affinities)
+            if null_gates is not None:  # picks per token, before capacity: real experts and null ones
+                tokens = math.prod(np.shape(x)[:-1])
+                metrics["real_picks"] = jnp.sum(load[:real]) / tokens
+                metrics["null_picks"] = jnp.sum(load[real:]) / tokens
         metrics.update(affinities.metrics)
         probs = affinities.probs if affinities.probs is not None else rt.combine.sum(axis=-1)
-        return RouterOutput(rt, jnp.asarray(affinities.aux_loss, jnp.float32), metrics, probs, affinities)
+        return RouterOutput(rt, jnp.asarray(affinities.aux_loss, jnp.float32), metrics, probs, affinities,
+                            null_gates)
 
 
 # ---------------------------------------------------------------------------- the registry

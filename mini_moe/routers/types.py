@@ -27,6 +27,9 @@ class RouterOutput:
         summed over each expert's slots.
       affinities: the :class:`Affinities` the allocation worked from (what the dropless
         layer path sorts by).
+      null_gates: ``[..., T, Z]`` the combine weights of the Z null experts (0 where a token
+        did not pick one; see ``TokenChoice.null_experts``), or None without null experts. The
+        routing tensors then cover the E real experts only.
     """
 
     routing: routing.Routing
@@ -34,6 +37,7 @@ class RouterOutput:
     metrics: dict
     probs: Array
     affinities: Any = None
+    null_gates: Any = None
 
 
 class Budget(NamedTuple):
