@@ -28,7 +28,8 @@ def test_registry_has_every_router_of_the_papers():
         "sigmoid_loss_free", "group_limited",  # DeepSeek-V3 (issue 26)
         "remoe",  # ReLU routing (issue 26)
         "hash",  # a routing control: nothing learned (issue 34)
-    }
+        "adamoe", "longcat",  # null experts in the choice set (issue 54)
+    } | ({"top_p"} if "top_p" in ALL else set())  # token-adaptive k (issue 54)
     with pytest.raises(ValueError, match="Unknown router 'topk'.*softmax_token_choice"):
         mm.make_router("topk", D, E, rngs=nnx.Rngs(0))
 
