@@ -41,7 +41,7 @@ from mini_moe import routers as routers_lib
 from mini_moe.validate import InputError, check_int
 
 #: The affinities that score each token on its own (so a dropless layer over them is batch-invariant).
-PER_TOKEN_AFFINITIES = ("Softmax", "NoisySoftmax", "SigmoidGates", "ReluGates", "FrozenWeight")
+PER_TOKEN_AFFINITIES = ("Softmax", "NoisySoftmax", "SigmoidGates", "ReluGates", "FrozenWeight", "NullGates")
 
 #: :func:`batch_invariant`'s modes.
 INVARIANT_MODES = ("per_image", "dropless")
@@ -141,7 +141,8 @@ def invariance(model) -> tuple[bool, str]:
             continue
         tokens = mlp.group_images * model.cfg.num_patches
         if (isinstance(router.allocation, routers_lib.TokenChoice) and affinity in PER_TOKEN_AFFINITIES
-                and routing.capacity(tokens, router.num_experts, router.capacity_factor) >= tokens):
+                and routing.capacity(tokens, router.num_experts - router.allocation.null_experts,
+                                     router.capacity_factor) >= tokens):
             continue  # every expert has a slot for every token of the group: no pick is refused
         kind = type(router.allocation).__name__
         reasons.append(f"MoE layer {i}: {kind} with capacity factor {router.capacity_factor:g} over groups of "

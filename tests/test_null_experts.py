@@ -278,3 +278,28 @@ def test_the_config_round_trips_through_json():
     import json
     back = train.config_from_json(json.loads(json.dumps(dataclasses.asdict(cfg))))
     assert back == cfg
+
+
+def test_dropless_null_experts_are_batch_invariant_and_capacity_makes_them_dependent():
+    """Null picks take no slot, so on the dropless path a token's routing is its own (the
+    derivation's rule, ``inference.invariance``): logits unchanged when the batch is reordered.
+    With buffers that can refuse picks, the rule says it is not invariant."""
+    from mini_moe import inference
+
+    cfg = model.ModelConfig(router="longcat", null_experts=("zero", "identity") * 2, dim=16, mlp_dim=16, depth=2,
+                            heads=2, image_size=8, patch_size=4, group_images=4, moe_path="dropless",
+                            router_kwargs=(("k", 2), ("target_real", 1.0)))
+    m = live_head(model.VisionMoE(cfg, rngs=nnx.Rngs(3)))
+    m.eval()
+    assert inference.invariance(m)[0]
+    images = jax.random.uniform(jax.random.key(14), (16, 8, 8, 1))
+    perm = np.random.default_rng(0).permutation(16)
+    a = np.asarray(m(images).logits)[perm]
+    b = np.asarray(m(images[perm]).logits)
+    assert np.abs(a - b).max() < 1e-5
+    capped = model.VisionMoE(dataclasses.replace(cfg, moe_path="gather",
+                                                 router_kwargs=cfg.router_kwargs + (("capacity_factor", 0.5),)),
+                             rngs=nnx.Rngs(3))
+    capped.eval()
+    ok, why = inference.invariance(capped)
+    assert not ok and "capacity factor 0.5" in why
