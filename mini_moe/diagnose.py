@@ -123,17 +123,19 @@ def _capacity_limited(model) -> bool:
     allocation, tokens = layer.router.allocation, _tokens_per_group(model)
     if isinstance(allocation, routers.SoftRouting) or layer.path == "dropless":
         return False
-    return allocation.budget(tokens, model.cfg.routed_experts).capacity < tokens
+    return allocation.budget(tokens, layer.router.num_experts).capacity < tokens  # the router's columns
 
 
 def family(model) -> str:
     """The router family that decides which thresholds apply and which reference runs compare:
     ``"token k=K c=C"``, ``"token k=K dropless"``, ``"relu c=C"`` / ``"relu dropless"`` (ReMoE),
-    ``"expert c=C"`` or ``"soft"``."""
+    ``"top-p c=C"`` / ``"top-p dropless"``, ``"expert c=C"`` or ``"soft"``."""
     layer = _moe_layers(model)[0]
     allocation = layer.router.allocation
     if isinstance(allocation, routers.TokenChoice):
-        name = "relu" if allocation.min_score is not None else f"token k={allocation.k}"
+        name = f"token k={allocation.k}"
+        if allocation.min_score is not None:  # a number of picks that varies from token to token
+            name = "top-p" if isinstance(layer.router.affinity, routers.TopPGates) else "relu"
         return f"{name} dropless" if layer.path == "dropless" else f"{name} c={allocation.capacity_factor:g}"
     if isinstance(allocation, routers.ExpertChoice):
         return f"expert c={allocation.capacity_factor:g}"
@@ -144,7 +146,8 @@ def _forced_unpicked(model) -> float:
     """The share of tokens that no expert can take because E buffers of C slots hold fewer than
     the group's T tokens: ``max(0, 1 - E C / T)``."""
     tokens, experts = _tokens_per_group(model), model.cfg.routed_experts
-    capacity = _moe_layers(model)[0].router.allocation.budget(tokens, experts).capacity
+    router = _moe_layers(model)[0].router
+    capacity = router.allocation.budget(tokens, router.num_experts).capacity  # per real expert
     return max(0.0, 1 - experts * capacity / tokens)
 
 
@@ -152,7 +155,8 @@ def thresholds(model) -> dict:
     """``{metric: (direction, threshold)}`` for ``model``'s router family (:func:`family`):
 
     * ``load_max_over_mean`` (top-1 choices before capacity): Token Choice with a fixed k only;
-      Expert Choice and Soft MoE balance by construction, a ReLU router has no top-1 routing;
+      Expert Choice and Soft MoE balance by construction, a router whose number of picks varies
+      (ReMoE, top-p: ``min_score`` set; "relu" below) has no fixed-k routing to measure it on;
     * ``dropped_tokens``: capacity-limited Token Choice, fixed (a dropped token wanted an
       expert); Expert Choice leaves tokens unpicked by design, so its threshold starts from the
       share its capacity forces (``_forced_unpicked``); none where nothing can drop, nor for

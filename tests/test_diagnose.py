@@ -337,7 +337,7 @@ def test_a_hint_never_names_a_fix_the_router_does_not_have(router):
         assert ("Expert Choice, Sinkhorn" in hint) <= (token and not plan_or_hash)
     rules = diagnose.thresholds(model)
     assert ("router_logit_lse_sq" in rules) == ("z_loss" in options)
-    assert ("load_max_over_mean" in rules) == (token and router != "remoe")
+    assert ("load_max_over_mean" in rules) == (token and router not in ("remoe", "top_p"))
 
 
 def test_a_model_that_drops_nothing_must_not_depend_on_its_group():

@@ -8,6 +8,7 @@ under a capacity. Here both are small first-class pieces and a :class:`Router` i
   :class:`NoisySoftmax` (V-MoE's noisy softmax with its balancing losses),
   :class:`SigmoidGates` (DeepSeek-V3's sigmoid scores with a balancing bias, no auxiliary loss),
   :class:`ReluGates` (ReMoE's ReLU gates with an adaptive L1 penalty),
+  :class:`TopPGates` (top-p routing: each token's fewest top experts whose probabilities reach p),
   :class:`SinkhornPlan` (eq. 8), :class:`QuadraticPlan` (SVMoE), :class:`SparsityConstrainedPlan`
   (eq. 9), :class:`SlotLogits` (Soft MoE's l2-normalised slot logits) and
   :class:`HashProjection` (a fixed random projection that nothing learns, a routing control);
@@ -31,6 +32,7 @@ name                                   affinity                                 
 ``sigmoid_loss_free``                  :class:`SigmoidGates`                    :class:`TokenChoice`
 ``group_limited``                      :class:`SigmoidGates` (``num_groups=2``) :class:`TokenChoice`
 ``remoe``                              :class:`ReluGates`                       :class:`TokenChoice` (k = E)
+``top_p``                              :class:`TopPGates`                       :class:`TokenChoice` (k = E)
 ``sinkhorn_token_choice``              :class:`SinkhornPlan`                    :class:`TokenChoice`
 ``svmoe``                              :class:`QuadraticPlan`                   :class:`TokenChoice`
 ``softmax_expert_choice``              :class:`Softmax`                         :class:`ExpertChoice`
@@ -67,8 +69,9 @@ name every object): ``types.py`` (:class:`RouterOutput`, :class:`Budget`, :class
 with state of their own: :class:`SigmoidGates`, :class:`ReluGates`), ``stateful.py`` (the
 protocol through which models move such state: :class:`StatefulAffinity`), ``allocations.py``,
 ``controls.py`` (:func:`freeze`, :class:`HashProjection`), ``registry.py`` (:class:`Router` and the
-registry), ``papers.py`` (the registered routers of the papers) and ``null.py`` (null experts in
-the choice set: :class:`NullGates`, ``adamoe``, ``longcat``).
+registry), ``papers.py`` (the registered routers of the papers), ``null.py`` (null experts in
+the choice set: :class:`NullGates`, ``adamoe``, ``longcat``) and ``adaptive.py`` (a number of
+experts that adapts to the token: :class:`TopPGates`, :func:`top_p_mask`, ``top_p``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ import numpy as np  # noqa: F401
 from flax import nnx  # noqa: F401
 
 from mini_moe import losses, routing, transport  # noqa: F401
+from mini_moe.routers.adaptive import TopPGates, TopPThreshold, top_p, top_p_mask
 from mini_moe.routers.affinities import (Affinity, NoisySoftmax, QuadraticPlan, SinkhornPlan, SlotLogits, Softmax,
                                          SparsityConstrainedPlan, l2_normalize)
 from mini_moe.routers.allocations import SOFT_MOE_ABLATIONS, ExpertChoice, SoftRouting, TokenChoice
@@ -120,4 +124,5 @@ __all__ = [
     "softmax_token_choice", "sigmoid_loss_free", "group_limited", "remoe", "hash_router", "sinkhorn_token_choice",
     "svmoe", "softmax_expert_choice", "sinkhorn_expert_choice", "sparsity_constrained_expert_choice", "soft_moe",
     "NullGates", "RealBias", "adamoe", "longcat",
+    "TopPThreshold", "TopPGates", "top_p_mask", "top_p",
 ]
