@@ -74,10 +74,18 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
       ``expert [side, side]`` the expert with the largest combine weight of each patch, -1 where the
       patch reached no expert (dropped); ``weight [side, side]`` that combine weight;
       ``experts_per_patch [side, side]``; ``load [E]`` the tokens of the whole routing group each
-      expert processes, against ``capacity`` (slots per expert); ``dropped_share`` and
-      ``experts_per_token`` over the group; ``slots [P, E, S]`` (Soft MoE only, else None): the
-      image's dispatch weights, slot s of expert e mixes the patches with weights ``slots[:, e, s]``;
-      ``capacity_factor`` (None without a capacity: Soft MoE, the dropless path), ``num_experts``, ``side``.
+      expert processes, against ``capacity`` (slots per expert); ``dropped_share`` (the tokens that
+      reached no expert) and ``experts_per_token`` over the group; ``slots [P, E, S]`` (Soft MoE
+      only, else None): the image's dispatch weights, slot s of expert e mixes the patches with
+      weights ``slots[:, e, s]``; ``capacity_factor`` (None without a capacity: Soft MoE, the
+      dropless path), ``num_experts``, ``side``.
+
+    With null experts in the router's choice set (``TokenChoice(null_experts=Z)``: AdaMoE,
+    LongCat) the experts are the E real ones, so ``experts_per_patch`` counts a patch's real
+    experts and ``experts_per_token`` is the group's mean of that count; a patch whose k picks
+    were all null experts has none without being dropped: ``null_only [side, side]`` marks those
+    (its ``expert`` is -1 too) and ``null_share`` is their share of the group; both are None
+    without null experts.
     """
     moe_layers = _moe_layers(model)
     if not 0 <= layer < len(moe_layers):
@@ -94,6 +102,20 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
     routings, factor = _route(model, batch, capacity_factor)
     return _view(*routings[layer], group=0, index=image - start, patches=model.cfg.num_patches, factor=factor,
                  soft=moe_layers[layer].mlp.router.per_image)
+
+
+def _real_picks(router, probs) -> np.ndarray | None:
+    """``int [..., T]``: the real experts each token picked, before any capacity, for a router with
+    null experts in its choice set (None for others): of its top k of the E + Z columns of
+    ``probs + bias`` (:class:`~mini_moe.routers.NullGates` ranks that; its bias stays 0 but under
+    LongCat's controller), the first E, by the allocation's own rule (``TokenChoice.real_picks``)."""
+    from mini_moe import routers
+
+    if not getattr(router.allocation, "null_experts", 0):
+        return None
+    selection = np.asarray(probs) + np.asarray(router.affinity.bias[...])
+    picks = router.allocation.real_picks(routers.Affinities(selection))
+    return np.asarray(picks["scores"] > picks["min_score"]).sum(-1)
 
 
 def _moe_layers(model):
@@ -135,19 +157,26 @@ def offered_capacities(model, capacities) -> list[float] | list[None]:
 
 def _route(model, batch, capacity_factor):
     """One eval-mode forward of ``batch`` (whole routing groups) at ``capacity_factor`` (ignored
-    without :func:`has_capacity`): per MoE layer ``(dispatch, combine)`` as NumPy ``[G, T, E, C]``,
-    and the factor used (None without a capacity)."""
+    without :func:`has_capacity`): per MoE layer ``(dispatch, combine, picks)``, the first two as
+    NumPy ``[G, T, E, C]``, ``picks [G, T]`` each token's real picks (:func:`_real_picks`; None
+    without null experts), and the factor used (None without a capacity)."""
     factor = capacity_factor if has_capacity(model) else None
     with capacity(model, factor), evaluate.eval_mode(model):
         out = evaluate._forward(model, np.asarray(batch), return_routing=True)
     factor = trained_capacity(model) if factor is None else float(factor)
-    return [(np.asarray(rt.dispatch), np.asarray(rt.combine)) for rt in out.routings], factor
+    layers = []
+    for block, rt, probs in zip(_moe_layers(model), out.routings, out.probs):
+        dispatch = np.asarray(rt.dispatch)
+        picks = _real_picks(block.mlp.router, probs)
+        layers.append((dispatch, np.asarray(rt.combine), None if picks is None else picks.reshape(dispatch.shape[:2])))
+    return layers, factor
 
 
-def _view(dispatch, combine, *, group: int, index: int, patches: int, factor, soft: bool) -> dict:
+def _view(dispatch, combine, picks, *, group: int, index: int, patches: int, factor, soft: bool) -> dict:
     """:func:`routing_view`'s dict for image ``index`` of routing group ``group`` of one layer's
-    ``dispatch, combine [G, T, E, C]``."""
+    ``dispatch, combine [G, T, E, C]`` and real ``picks [G, T]`` (None without null experts)."""
     dispatch, combine = dispatch[group], combine[group]  # [T, E, C]
+    null = None if picks is None else picks[group] == 0  # [T]: every pick a null expert
     rows = slice(index * patches, (index + 1) * patches)
     reached = (dispatch > 0).any(-1)  # [T, E]
     per_expert = combine.sum(-1)  # [T, E]
@@ -166,6 +195,8 @@ def _view(dispatch, combine, *, group: int, index: int, patches: int, factor, so
         "capacity_factor": factor,
         "num_experts": dispatch.shape[1],
         "side": side,
+        "null_only": None if null is None else null[rows].reshape(side, side),
+        "null_share": None if null is None else float(null.mean()),
     }
 
 
@@ -179,19 +210,28 @@ def batch_views(model, images, capacity_factor) -> list[list[dict]]:
         raise InputError(f"images must hold whole routing groups of {group} images, got {len(images)}.")
     soft = _moe_layers(model)[0].mlp.router.per_image
     routings, factor = _route(model, images, capacity_factor)
-    return [[_view(dispatch, combine, group=i // group, index=i % group, patches=model.cfg.num_patches,
-                   factor=factor, soft=soft) for i in range(len(images))] for dispatch, combine in routings]
+    return [[_view(*layer, group=i // group, index=i % group, patches=model.cfg.num_patches, factor=factor,
+                   soft=soft) for i in range(len(images))] for layer in routings]
 
 
 def _colour(expert: int) -> str:
     return PALETTE[expert % len(PALETTE)]
 
 
+def _patches_title(view: dict) -> str:
+    """What the left panel of :func:`draw_view` shows: the expert per patch, or with null experts
+    the count of real experts per patch."""
+    return "patches by expert" if view["null_only"] is None else "real experts per patch"
+
+
 def draw_view(view: dict, image: np.ndarray | None = None, *, axes=None, title: str = "", slot: tuple | None = None):
     """Draw a :func:`routing_view`: the patches coloured by their expert (opacity: the combine
     weight; black with a cross: dropped), and each expert's load against its capacity. With
     ``slot = (e, s)`` (Soft MoE) the left panel shows slot s of expert e's mixing weight per patch
-    instead. ``image [H, W, C]`` is drawn under the patches in grey. Returns the figure."""
+    instead. With null experts (``view["null_only"]``) each patch shows its count of real experts,
+    coloured from pale (0: null experts only, not dropped) to dark (all E), and the numbers give the
+    group's mean count and the share of null-only patches. ``image [H, W, C]`` is drawn under the
+    patches in grey. Returns the figure."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -206,18 +246,26 @@ def draw_view(view: dict, image: np.ndarray | None = None, *, axes=None, title: 
         left.imshow(mix, cmap="magma", extent=(0, side, side, 0), alpha=0.8)
         left.set_title(f"slot {slot[1]} of expert {slot[0]}: mixing weights", fontsize=9)
     else:
+        null = view["null_only"]
         for r in range(side):
             for c in range(side):
                 e = int(view["expert"][r, c])
-                if e < 0:
+                if e < 0 and (null is None or not null[r, c]):
                     left.add_patch(Rectangle((c, r), 1, 1, color="black", alpha=0.8))
                     left.plot([c + 0.15, c + 0.85], [r + 0.15, r + 0.85], color="white", lw=1)
                     left.plot([c + 0.15, c + 0.85], [r + 0.85, r + 0.15], color="white", lw=1)
+                elif null is not None:  # the count of real experts, whatever they are
+                    count = int(view["experts_per_patch"][r, c])
+                    shade = count / view["num_experts"]
+                    left.add_patch(Rectangle((c, r), 1, 1, color=plt.get_cmap("YlGnBu")(shade), alpha=0.85))
+                    left.text(c + 0.5, r + 0.5, str(count), ha="center", va="center", fontsize=9,
+                              color="white" if shade > 0.5 else "black")
                 else:
                     alpha = 0.25 + 0.75 * float(np.clip(view["weight"][r, c], 0, 1))
                     left.add_patch(Rectangle((c, r), 1, 1, color=_colour(e), alpha=alpha))
                     left.text(c + 0.5, r + 0.5, str(e), ha="center", va="center", fontsize=7)
-        left.set_title(title or "patches by expert (black: dropped)", fontsize=9)
+        left.set_title(title or _patches_title(view) + (" (black: dropped)" if null is None else
+                                                         " (0: null experts only; black: dropped)"), fontsize=9)
     left.set_xlim(0, side)
     left.set_ylim(side, 0)
     left.set_xticks([])
@@ -227,11 +275,16 @@ def draw_view(view: dict, image: np.ndarray | None = None, *, axes=None, title: 
     if view["capacity_factor"] is not None:
         right.axhline(view["capacity"], color="black", ls="--", lw=0.8, label=f"capacity C = {view['capacity']}")
         right.legend(fontsize=7, loc="upper right")
-    right.set_xlabel("expert")
+    right.set_xlabel("expert" if view["null_share"] is None else "real expert")
     right.set_ylabel("tokens of the group")
     factor = "" if view["capacity_factor"] is None else f"c = {view['capacity_factor']:g}, "
-    right.set_title(f"{factor}dropped {view['dropped_share']:.0%}, {view['experts_per_token']:.2f} experts/token",
-                    fontsize=9)
+    if view["null_share"] is None:
+        numbers = f"dropped {view['dropped_share']:.0%}, {view['experts_per_token']:.2f} experts/token"
+    else:  # a patch with no real expert that picked one was dropped
+        dropped = view["dropped_share"] - view["null_share"]
+        numbers = (f"{view['experts_per_token']:.2f} real experts/patch, null only {view['null_share']:.0%}"
+                   + (f", dropped {dropped:.0%}" if dropped > 0 else ""))
+    right.set_title(factor + numbers, fontsize=9)
     return left.figure
 
 
@@ -334,7 +387,7 @@ def explore(model, images, *, capacities=(0.5, 1.0, 2.0), image: int = 0, layer:
     for column, factor in enumerate(factors):
         view = routing_view(model, images, image=image, layer=layer, capacity_factor=factor)
         draw_view(view, np.asarray(images)[image], axes=(axes[0, column], axes[1, column]),
-                  title="patches by expert" + ("" if factor is None else f", c = {factor:g}"))
+                  title=_patches_title(view) + ("" if factor is None else f", c = {factor:g}"))
     fig.suptitle(f"image {image}, MoE layer {layer + 1}" + ("" if accuracy is None else
                                                              f" (test accuracy {accuracy:.1%})"), fontsize=10)
     fig.tight_layout()
@@ -428,12 +481,14 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
       image_sources: dataset name -> where its images come from (any JSON), kept like ``source``.
 
     Returns ``{"datasets": {name: {"images", "size", "source"}}, "models": {name: {"label", "dataset",
-    "accuracy", "num_experts", "side", "slots_per_expert", "layers", "capacities", "trained_capacity",
-    "capacity", "views", "source"}}}`` where ``capacities`` are :func:`offered_capacities` (the explorer
-    opens at ``trained_capacity``) and
+    "accuracy", "num_experts", "null_experts", "side", "slots_per_expert", "layers", "capacities",
+    "trained_capacity", "capacity", "views", "source"}}}`` where ``capacities`` are
+    :func:`offered_capacities` (the explorer opens at ``trained_capacity``), ``null_experts`` is Z
+    (0 without; ``num_experts`` counts the real ones) and
     ``views[factor][layer][image]`` holds ``expert``, ``weight``, ``experts`` (per patch, row-major),
-    ``load``, ``capacity``, ``dropped`` and ``experts_per_token``, and for Soft MoE ``slots`` (the
-    image's dispatch weights, ``[P, E, S]`` flattened).
+    ``load``, ``capacity``, ``dropped`` and ``experts_per_token``, for Soft MoE ``slots`` (the
+    image's dispatch weights, ``[P, E, S]`` flattened), and with null experts ``null_only`` (per
+    patch, 1 where every pick was a null expert: no real expert, not dropped) and ``null_share``.
     """
     import base64
 
@@ -472,13 +527,17 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
                                "experts_per_token": round(v["experts_per_token"], 4)}
                     if soft:
                         compact["slots"] = _percent(v["slots"])
+                    if v["null_only"] is not None:
+                        compact["null_only"] = v["null_only"].astype(int).ravel().tolist()
+                        compact["null_share"] = round(v["null_share"], 4)
                     per_image.append(compact)
                 views[key].append(per_image)
                 capacity_of[key] = int(layer_views[0]["capacity"])
         first = views[next(iter(views))][0][0]
         out["models"][name] = {
             "label": entry.get("label", name), "dataset": dataset, "accuracy": entry.get("accuracy"),
-            "num_experts": len(first["load"]), "side": int(round(np.sqrt(model.cfg.num_patches))),
+            "num_experts": len(first["load"]), "null_experts": len(model.cfg.null_experts),
+            "side": int(round(np.sqrt(model.cfg.num_patches))),
             "slots_per_expert": capacity_of[next(iter(views))] if soft else None,
             "layers": len(layers), "capacities": factors, "trained_capacity": trained_capacity(model),
             "capacity": capacity_of if factors[0] is not None else None, "views": views,
@@ -493,16 +552,32 @@ _ids = iter(range(1, 1 << 30))
 def page_html(data: dict, *, title: str = "") -> str:
     """HTML that draws :func:`export`'s ``data`` in a browser: the data as JSON and the explorer's
     script (``mini_moe/explorer.js``, plain JavaScript) inline, so the page works offline and from
-    a file. Show it in a notebook with ``IPython.display.HTML(page_html(data))``."""
+    a file. Show it in a notebook with ``IPython.display.HTML(page_html(data))``. Where a model has
+    null experts, a note under the explorer says how to read its patches (:func:`null_note`)."""
     import html as html_lib
 
     script = (pathlib.Path(__file__).with_name("explorer.js")).read_text()
     payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     element = f"mini-moe-explorer-{os.getpid()}-{next(_ids)}"
     heading = f'<p class="mme-title">{html_lib.escape(title)}</p>' if title else ""
+    notes = "".join(f'<p class="mme-note">{html_lib.escape(null_note(m))}</p>'
+                    for m in data.get("models", {}).values() if m.get("null_experts"))
     return (f'<div class="mini-moe-explorer" id="{element}">{heading}'
-            f'<script type="application/json" class="mme-data">{payload}</script></div>\n'
+            f'<script type="application/json" class="mme-data">{payload}</script></div>\n{notes}'
             f"<script>{script}</script>")
+
+
+def null_note(m: dict) -> str:
+    """How to read the patches of :func:`export`'s model ``m``, which has null experts: what its
+    numbers and black patches mean, with its mean real experts per patch over the stored images
+    per MoE layer (at the factor it opens at)."""
+    views = m["views"]["none" if m["trained_capacity"] is None else f"{m['trained_capacity']:g}"]
+    means = ", ".join(f"{np.mean([v['experts'] for v in layer]):.2f}" for layer in views)
+    black = ("picked null experts only: no real expert, not dropped" if m["capacities"] == [None] else
+             "has no real expert: it picked null experts only, or its real picks were dropped for capacity")
+    return (f"{m['label']}. The experts drawn are its {m['num_experts']} real ones (its {m['null_experts']} null "
+            f"experts take no slot). A patch's number \"e\" means 1 real expert and \"e +N\" N + 1; a black "
+            f"patch {black}. Real experts per patch over these images, by MoE layer: {means}.")
 
 
 #: The committed models of the book's explorer page (mini_moe/results/explorer_models.py).

@@ -2,6 +2,8 @@
 changes what it should, the widget's callback re-routes on every control, and it falls back to a
 static figure without a widget frontend."""
 
+import html
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -139,6 +141,87 @@ def test_the_export_holds_every_view_the_library_computes(images):
         explorer.export({"tc": {"model": tc, "dataset": "e"}}, {"d": images})
 
 
+def _null_model(router, *, path="auto", **options):
+    cfg = config_lib.get_config("quick", dataset="digits", router=router, model_null_experts=("zero",) * 4,
+                                model_moe_path=path, model_router_kwargs=options)
+    return train.make_model(cfg)
+
+
+def _null_picks(model, images, layer):
+    """``int [B, P]``: the null experts each patch picked in MoE layer ``layer``, from the router's
+    own ``null_gates`` on the layer's input, computed here block by block (eager, eval mode)."""
+    from mini_moe.model import patchify
+
+    cfg = model.cfg
+    with evaluate.eval_mode(model):
+        x = model.embed(patchify(np.asarray(images), cfg.patch_size)) + model.pos[...]
+        moe = [b for b in model.blocks if b.use_moe]
+        for block in model.blocks:
+            if block is moe[layer]:
+                h = block.norm2(x + block.attn(block.norm1(x)))
+                b, n, d = h.shape
+                out = block.mlp.router(h.reshape(b // cfg.group_images, cfg.group_images * n, d))
+                return np.asarray((out.null_gates > 0).sum(-1)).reshape(b, n)
+            x, _ = block(x)
+
+
+def test_null_experts_count_real_experts_per_patch_and_are_not_dropped(images):
+    """Issue 54 §3: with null experts in the choice set (LongCat, dropless) a patch's count is its
+    real experts, k minus the null experts its router picked; a patch whose picks are all null
+    experts is null-only, not dropped, in the view, the export and the page."""
+    k = 2
+    model = _null_model("longcat", path="dropless", k=k, target_real=1.0)
+    group = model.cfg.group_images
+
+    def real_bias(value):  # LongCat's selection bias of every real expert (its null experts keep 0)
+        for block in model.blocks:
+            if block.use_moe:
+                bias = block.mlp.router.affinity.bias
+                bias[...] = np.where(np.arange(bias[...].shape[-1]) < model.cfg.routed_experts, value, 0.0)
+
+    real_bias(-0.03)  # as the controller does to cut the real experts: some patches pick null experts only
+    shares = []
+    for layer, views in enumerate(explorer.batch_views(model, images, None)):  # routing_view of every image
+        null = _null_picks(model, images, layer)  # [B, P]
+        for i, v in enumerate(views):
+            np.testing.assert_array_equal(v["experts_per_patch"].ravel(), k - null[i])
+            np.testing.assert_array_equal(v["null_only"].ravel(), null[i] == k)
+            np.testing.assert_array_equal(v["expert"].ravel() < 0, null[i] == k)  # nothing dropped
+            first = i - i % group
+            assert v["null_share"] == float((null[first:first + group] == k).mean())
+            assert np.isclose(v["experts_per_token"], (k - null[first:first + group]).mean())
+        shares += [v["null_share"] for v in views]
+    assert 0 < np.mean(shares) < 1  # some patches null-only, not all
+    real_bias(-10.0)  # every pick a null expert
+    view = explorer.routing_view(model, images, image=3, layer=1)
+    assert view["null_only"].all() and (view["experts_per_patch"] == 0).all() and (view["expert"] == -1).all()
+    assert view["null_share"] == view["dropped_share"] == 1.0
+    fig = explorer.draw_view(view)
+    assert "null experts only" in fig.axes[0].get_title() and "null only 100%" in fig.axes[1].get_title()
+    data = explorer.export({"lc": {"model": model, "dataset": "d", "label": "LongCat"}}, {"d": images})
+    m = data["models"]["lc"]
+    assert m["null_experts"] == 4 and m["num_experts"] == model.cfg.routed_experts and m["capacities"] == [None]
+    assert all(v["null_only"] == [1] * 16 and v["null_share"] == 1.0 for v in m["views"]["none"][1])
+    assert "not dropped" in explorer.null_note(m) and "by MoE layer: 0.00, 0.00" in explorer.null_note(m)
+    assert html.escape(explorer.null_note(m)) in explorer.page_html(data)  # the page says so under the explorer
+
+
+def test_with_null_experts_and_a_capacity_a_patch_without_real_experts_is_null_only_or_dropped(images):
+    """AdaMoE on the capacity path at c = 0.25: a patch with no real expert is null-only exactly
+    where its router picked null experts only; the others were dropped, and the view says so."""
+    k = 2
+    model = _null_model("adamoe", k=k, capacity_factor=0.25)
+    null = _null_picks(model, images, 0)
+    views = explorer.batch_views(model, images, 0.25)[0]
+    only = np.stack([v["null_only"].ravel() for v in views])
+    none = np.stack([v["expert"].ravel() < 0 for v in views])
+    np.testing.assert_array_equal(only, null == k)
+    assert (none & ~only).any() and not (only & ~none).any()  # dropped patches beside null-only ones
+    dropped = views[0]["dropped_share"] - views[0]["null_share"]
+    assert dropped > 0 and f"dropped {dropped:.0%}" in explorer.draw_view(views[0]).axes[1].get_title()
+    assert explorer.routing_view(_model("softmax_token_choice"), images)["null_only"] is None
+
+
 def test_the_page_html_carries_the_data_and_the_script():
     import json
     import re
@@ -153,9 +236,10 @@ def test_the_page_html_carries_the_data_and_the_script():
 
 def test_the_committed_models_load_and_fit_their_budget():
     """The book's explorer page loads every committed model; the files stay within the README's
-    budget (4.5 MB in all) and each says how it was trained and how accurate its stored weights are."""
+    budget (5 MB in all: ten models of about 0.46 MB) and each says how it was trained and how
+    accurate its stored weights are."""
     files = sorted(explorer.WEIGHTS.glob("*.npz"))
-    assert len(files) >= 6 and sum(f.stat().st_size for f in files) <= 4.5e6
+    assert len(files) >= 6 and sum(f.stat().st_size for f in files) <= 5e6
     for f in files:
         model, cfg, info = explorer.load_weights(f)
         assert info["label"] and info["origin"] and 0.5 < info["accuracy"] <= 1.0

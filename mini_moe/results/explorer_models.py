@@ -11,7 +11,10 @@ Every model is one the book's own runs train, with the same configuration:
   (``runs/routing_2024_v2/ARM-s10``); otherwise they are trained here with the same configuration.
 - on Fashion-MNIST: Token Choice, Expert Choice and Soft MoE with chapter 8's schedule and
   patch_vote's model shape (width 64, MLPs and experts of 64), so that each file stays under
-  0.5 MB; the quick Fashion-MNIST model (width 128, MLPs of 256) would take 2.9 MB each.
+  0.5 MB; the quick Fashion-MNIST model (width 128, MLPs of 256) would take 2.9 MB each. Beside
+  them LongCat-Flash's null experts (router ``longcat``: 8 zero experts beside the 8 real ones,
+  k = 4, the bias controller aiming at 2 real experts per patch, dropless): the ``longcat`` arm
+  of the registered study ``compute-per-patch-preregistration.md``, at seed 100.
 
     taskset -c 0 .venv/bin/python mini_moe/results/explorer_models.py [NAME ...]
 
@@ -33,9 +36,16 @@ V2_SEED = 10
 SEED = 100  # chapter 8's first registered seed
 
 
-def _fashion(router: str):
-    return study.cell_config(router, 1.0, SEED, dataset="fashion_mnist", scale="quick", model_dim=64,
-                             model_mlp_dim=64, **confirm.OVERRIDES)
+def _fashion(router: str, capacity: float = 1.0, **overrides):
+    return study.cell_config(router, capacity, SEED, dataset="fashion_mnist", scale="quick", model_dim=64,
+                             model_mlp_dim=64, **confirm.OVERRIDES, **overrides)
+
+
+def _longcat():
+    """The ``longcat`` arm of compute-per-patch-preregistration.md: capacity 4 sets k = 4 (the
+    dropless path ignores the capacity), 8 zero experts, the controller aiming at 2 real experts."""
+    return _fashion("longcat", 4.0, model_moe_path="dropless", model_null_experts=("zero",) * 8,
+                    model_router_kwargs={"target_real": 2.0, "bias_rate": 0.1})
 
 
 V2 = "chapters 12-13's v2 run {arm}, seed 10"
@@ -63,13 +73,16 @@ MODELS = {
     "fashion_mnist-token_choice": ("Token Choice, k = 1", lambda: _fashion("softmax_token_choice"), None, FASHION),
     "fashion_mnist-expert_choice": ("Expert Choice", lambda: _fashion("softmax_expert_choice"), None, FASHION),
     "fashion_mnist-soft_moe": ("Soft MoE", lambda: _fashion("soft_moe"), None, FASHION),
+    "fashion_mnist-longcat": ("LongCat null experts: 8 zero experts, k = 4, 2 real on average", _longcat, None,
+                              FASHION + ", the registered study's longcat arm (compute per patch)"),
 }
 
 
 def make(name: str) -> pathlib.Path:
     """Train (or find) model ``name``, write its weights, then measure the stored model's test
     accuracy (full test set) and store it beside them; returns the file. A file that has its
-    accuracy is left alone."""
+    accuracy is left alone. For a model with null experts it prints the stored model's mean real
+    experts per patch on the test set."""
     label, make_config, arm, origin = MODELS[name]
     path = OUT / f"{name}.npz"
     if not path.exists():
@@ -93,6 +106,10 @@ def make(name: str) -> pathlib.Path:
             accuracy = evaluate.accuracy(model, train.load_data(cfg)[1])
             print(f"{name}: test accuracy of the stored model {accuracy:.4f}")
         explorer.save_weights(model, cfg, path, label=label, accuracy=accuracy, origin=origin)
+    if cfg.model.null_experts:  # the routing covers the real experts only: a patch's experts are its real ones
+        _, layers = evaluate.routing_record(model, train.load_data(cfg)[1].images)
+        means = ", ".join(f"{layer['hits'].sum(-1).mean():.3f}" for layer in layers)
+        print(f"{name}: real experts per patch on the test set, by MoE layer: {means}")
     print(f"{name}: {path} ({path.stat().st_size / 1e6:.2f} MB)")
     return path
 
