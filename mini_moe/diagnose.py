@@ -74,6 +74,12 @@ REFERENCES = {
         "load_cv": (0.638, 1.31), "load_max_over_mean": (2.661, 4.444), "router_entropy": (0.356, 0.521),
         "batch_dependence": (0, 0),
     },
+    "null k=4 dropless": {
+        "runs": "explorer: fashion_mnist-longcat",
+        "dropped_tokens": (0.05, 0.072), "dropped_picks": (0, 0), "experts_per_token": (2.006, 2.023),
+        "load_cv": (0.349, 0.517), "load_max_over_mean": (1.526, 1.802), "router_entropy": (0.505, 0.819),
+        "bias_spread": (0.056, 0.059), "batch_dependence": (0, 0),
+    },
     "expert c=1": {
         "runs": "10 confirmatory cells of chapter 8; explorer: fashion_mnist-expert_choice, patch_vote-expert_choice",
         "dropped_tokens": (0.077, 0.224), "experts_per_token": (1, 1), "load_cv": (0.062, 0.633),
@@ -129,11 +135,12 @@ def _capacity_limited(model) -> bool:
 def family(model) -> str:
     """The router family that decides which thresholds apply and which reference runs compare:
     ``"token k=K c=C"``, ``"token k=K dropless"``, ``"relu c=C"`` / ``"relu dropless"`` (ReMoE),
-    ``"top-p c=C"`` / ``"top-p dropless"``, ``"expert c=C"`` or ``"soft"``."""
+    ``"top-p c=C"`` / ``"top-p dropless"``, ``"null k=K ..."`` (null experts in the choice set),
+    ``"expert c=C"`` or ``"soft"``."""
     layer = _moe_layers(model)[0]
     allocation = layer.router.allocation
     if isinstance(allocation, routers.TokenChoice):
-        name = f"token k={allocation.k}"
+        name = f"null k={allocation.k}" if allocation.null_experts else f"token k={allocation.k}"
         if allocation.min_score is not None:  # a number of picks that varies from token to token
             name = "top-p" if isinstance(layer.router.affinity, routers.TopPGates) else "relu"
         return f"{name} dropless" if layer.path == "dropless" else f"{name} c={allocation.capacity_factor:g}"

@@ -216,16 +216,25 @@ def _cv(counts: np.ndarray) -> float:
 def _picks_made(router, probs: np.ndarray) -> np.ndarray | None:
     """``int [..., P]``: the picks a Token Choice router made per token, before any capacity cut,
     from its distributions ``probs [..., P, E]``; None for other allocations (they make no picks
-    per token). ``k`` per token, or with ``min_score`` (ReLU routing: ``k = E``, a pick per
-    positive gate) the experts with a positive share, where a token with no positive gate made
-    none (:class:`~mini_moe.routers.ReluGates` gives it the uniform distribution)."""
+    per token). ``k`` per token; with null experts (``TokenChoice.null_experts``, their columns last
+    in ``probs``) the real experts among the token's top k of ``probs`` plus the router's bias;
+    with top-p gates the experts :func:`~mini_moe.routers.top_p_mask` selects; with ``min_score``
+    and ReLU gates (``k = E``, a pick per positive gate) the experts with a positive share, where a
+    token with no positive gate made none (:class:`~mini_moe.routers.ReluGates` gives it the
+    uniform distribution)."""
     allocation = router.allocation
     if not isinstance(allocation, routers_lib.TokenChoice):
         return None
+    if allocation.null_experts:  # the real experts among the top k of probs + bias (null picks cost nothing)
+        bias = np.asarray(getattr(router.affinity, "bias", np.zeros(probs.shape[-1]))[...])
+        top = np.argsort(-(probs + bias), axis=-1, kind="stable")[..., :allocation.k]
+        return (top < probs.shape[-1] - allocation.null_experts).sum(-1)
     if allocation.min_score is None:
         return np.full(probs.shape[:-1], allocation.k)
+    if isinstance(router.affinity, routers_lib.TopPGates):  # the fewest top experts whose probabilities reach p
+        return np.asarray(routers_lib.top_p_mask(jnp.asarray(probs), router.affinity.threshold[...])).sum(-1)
     if not isinstance(router.affinity, routers_lib.ReluGates):
-        raise InputError(f"picks with min_score need ReLU gates, not {type(router.affinity).__name__}.")
+        raise InputError(f"picks with min_score need ReLU or top-p gates, not {type(router.affinity).__name__}.")
     num_experts = probs.shape[-1]
     made = np.minimum((probs > 0).sum(-1), allocation.k)
     return np.where(np.all(probs == np.float32(1 / num_experts), -1), 0, made)
@@ -265,7 +274,8 @@ def routing_record(model, images: np.ndarray, *, batch_size: int = 400):
                 # Soft MoE: a group is an image, each slot's weights sum to 1 over its tokens
                 sharp = None if rt.sparse else dispatch[:n].max(axis=1).mean(axis=(1, 2))
                 per_layer.append({
-                    "hits": hits, "top1": probs.argmax(-1), "picks": _picks_made(router, probs),
+                    # top-1 among the real experts (null columns, when there are any, come last)
+                    "hits": hits, "top1": probs[..., :cfg.routed_experts].argmax(-1), "picks": _picks_made(router, probs),
                     "entropy": -np.sum(probs * np.log(np.clip(probs, 1e-12, None)), -1), "slot_sharpness": sharp,
                     "scalars": {k: n * float(v) for k, v in metrics.items() if np.ndim(v) == 0}})
             parts.append(per_layer)

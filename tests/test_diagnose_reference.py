@@ -2,7 +2,7 @@
 they measure, and none of them warns; each one's margin to each threshold is printed (``pytest -s``).
 
 The reference runs: chapter 8's confirmatory cells (``patch_vote-confirmatory-cpu-2core-epyc.json``,
-10 seeds per cell; the metrics their committed ``mechanisms`` hold) and the book's nine committed
+10 seeds per cell; the metrics their committed ``mechanisms`` hold) and the book's ten committed
 explorer models (``mini_moe/results/explorer-models``; every metric but stability, on the first
 :data:`IMAGES` test images). ``python tests/test_diagnose_reference.py`` prints the table to paste
 into ``REFERENCES``."""
@@ -100,7 +100,7 @@ def test_the_reference_ranges_are_what_the_reference_runs_measure():
 
 def test_no_reference_run_warns_and_each_margin_is_positive():
     rows = confirmatory_runs() + explorer_runs()
-    assert len(rows) == 50 + 9
+    assert len(rows) == 50 + 10
     for row in rows:
         assert row["findings"] == [], (row["run"], row["findings"])
         row_margins = margins(row)
