@@ -303,3 +303,24 @@ def test_dropless_null_experts_are_batch_invariant_and_capacity_makes_them_depen
     capped.eval()
     ok, why = inference.invariance(capped)
     assert not ok and "capacity factor 0.5" in why
+
+
+@pytest.mark.parametrize("router,options,kinds", [("longcat", (("k", 3), ("target_real", 1.0)), ("zero",) * 4),
+                                                  ("top_p", (("threshold", 0.5),), ())])
+def test_routing_record_counts_the_picks_the_router_made(router, options, kinds):
+    """``evaluate.routing_record``'s picks per patch (what diagnose counts dropped picks against)
+    are the router's own: the real picks of a null-expert router (its ``real_picks`` metric), the
+    experts top-p selected (its ``active_experts``); the dropless path, so every pick is a hit."""
+    from mini_moe import evaluate
+
+    cfg = model.ModelConfig(router=router, null_experts=kinds, dim=16, mlp_dim=16, depth=2, heads=2, image_size=8,
+                            patch_size=4, group_images=4, moe_path="dropless", router_kwargs=options)
+    m = model.VisionMoE(cfg, rngs=nnx.Rngs(4))
+    images = np.asarray(jax.random.uniform(jax.random.key(15), (8, 8, 8, 1)))
+    m.eval()
+    out = m(jnp.asarray(images))
+    _, layers = evaluate.routing_record(m, images, batch_size=8)
+    metric = "real_picks" if kinds else "active_experts"
+    assert layers[0]["picks"].mean() == pytest.approx(float(out.metrics[0][metric]), rel=1e-6)
+    np.testing.assert_array_equal(layers[0]["picks"], layers[0]["hits"].sum(-1))
+    assert layers[0]["top1"].max() < cfg.num_experts  # a real expert
