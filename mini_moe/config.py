@@ -10,7 +10,6 @@ overrides it. The full configuration computes in bfloat16 on a GPU or TPU
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 
 import jax
@@ -243,10 +242,6 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
     if "checkpoint_every" not in overrides:
         train_fields["checkpoint_every"] = train_fields.get("eval_every", 500)
     kwargs = dict(model_fields.get("router_kwargs", ()))
-    build = routers_lib.spec(router).build if router is not None else None
-    null_default = None if build is None else inspect.signature(build).parameters.get("null_experts")
-    if null_default is not None and not model_fields.get("null_experts"):  # the router's default count, zero experts
-        model_fields["null_experts"] = ("zero",) * kwargs.get("null_experts", null_default.default)
     if router is not None and routers_lib.spec(router).allocation == "soft" and "slots_per_expert" not in kwargs:
         # Paper 000: S = round(c * T / E) slots per expert with c = 1, T tokens per image.
         patches = (model_fields["image_size"] // model_fields["patch_size"]) ** 2

@@ -60,7 +60,9 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype, "float32" or "bfloat16" (parameters stay float32; see VisionMoE)
     fine_grained: int = 1  # m: every expert split into m of mlp_dim / m hidden units (DeepSeekMoE)
     shared_experts: int = 0  # K_s fine-grained experts that every token passes through (DeepSeekMoE)
-    null_experts: tuple = ()  # kinds of the null experts in the router's choice set ("zero", "identity", "constant")
+    # kinds of the null experts in the router's choice set ("zero", "identity", "constant"); a router
+    # with null experts (adamoe, longcat) given none gets its default count of zero experts
+    null_experts: tuple = ()
 
     def __post_init__(self):
         for name in ("image_size", "channels", "patch_size", "num_classes", "dim", "depth", "heads",
@@ -92,9 +94,10 @@ class ModelConfig:
                              "(each expert is split into fine_grained experts of mlp_dim / fine_grained units).")
         self.routed_options()  # validates the fine-grained budget
         build = routers_lib.spec(self.router).build if self.router is not None else None
-        if build is not None and "null_experts" in inspect.signature(build).parameters and not self.null_experts:
-            raise InputError(f"router {self.router!r} has null experts in its choice set: give their kinds, e.g. "
-                             "null_experts=('zero',) * 4 (kinds: 'zero', 'identity', 'constant').")
+        null_default = None if build is None else inspect.signature(build).parameters.get("null_experts")
+        if null_default is not None and not self.null_experts:  # the router's default count, zero experts
+            count = dict(self.router_kwargs).get("null_experts", null_default.default)
+            object.__setattr__(self, "null_experts", ("zero",) * count)
         if self.null_experts:
             if not isinstance(self.null_experts, tuple) or any(k not in NULL_KINDS for k in self.null_experts):
                 raise InputError(f"null_experts must be a tuple of kinds from {NULL_KINDS}, got {self.null_experts!r}.")
@@ -226,7 +229,7 @@ class MoeLayer(nnx.Module):
             raise InputError(f"path must be one of {MOE_PATHS}, got {path!r}.")
         if path == "dropless" and not isinstance(router.allocation, routers_lib.TokenChoice):
             raise InputError(f"path='dropless' needs a Token Choice router, not {type(router.allocation).__name__}.")
-        routed_null = getattr(router.allocation, "null_experts", 0)
+        routed_null = getattr(getattr(router, "allocation", None), "null_experts", 0)  # router None: set later
         if routed_null != (0 if null is None else len(null.kinds)):
             raise InputError(f"the router routes to {routed_null} null experts but the layer has "
                              f"{0 if null is None else len(null.kinds)} (null: a NullExperts with one kind per "

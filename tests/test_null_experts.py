@@ -256,8 +256,8 @@ def test_a_null_expert_model_trains_and_its_head_sees_the_routing():
 def test_bad_input_names_the_argument():
     with pytest.raises(InputError, match="null_experts"):
         model.ModelConfig(router="softmax_token_choice", null_experts=("zero",))
-    with pytest.raises(InputError, match="null_experts"):
-        model.ModelConfig(router="adamoe")
+    assert model.ModelConfig(router="adamoe").null_experts == ("zero",) * 4  # the router's default count
+    assert model.ModelConfig(router="longcat", router_kwargs=(("null_experts", 2),)).null_experts == ("zero",) * 2
     with pytest.raises(InputError, match="null_experts"):
         model.ModelConfig(router="adamoe", null_experts=("void",))
     with pytest.raises(InputError, match="null_experts"):

@@ -103,7 +103,8 @@ def test_sparse_routers_decide_the_same_on_bfloat16_tokens(router):
     num_experts, dim, group_images, tokens_per_image = 4, 16, 2, 8
     # The sigmoid routers default to k = 2; on these tokens (orthogonal to every expert but one)
     # all second choices tie at sigmoid(0) = 0.5, so only the first choice is well separated.
-    options = (("k", 1),) if router in ("sigmoid_loss_free", "group_limited") else ()
+    # The null-expert routers likewise at k = 1 (their null columns, padded with zeros below, tie).
+    options = (("k", 1),) if router in ("sigmoid_loss_free", "group_limited", "adamoe", "longcat") else ()
     cfg = ModelConfig(image_size=8, channels=1, patch_size=2, dim=dim, depth=2, heads=2, mlp_dim=16,
                       router=router, num_experts=num_experts, group_images=group_images, router_kwargs=options)
     layer = MoeMlp(cfg, rngs=nnx.Rngs(0))
@@ -112,8 +113,8 @@ def test_sparse_routers_decide_the_same_on_bfloat16_tokens(router):
     affinity = layer.router.affinity
     if isinstance(affinity, routers.HashProjection):  # the routing control: a fixed projection, no dense
         affinity.projection[...] = kernel
-    else:
-        affinity.dense.kernel[...] = kernel
+    else:  # null experts' columns (adamoe, longcat) come after the real ones: zeros
+        affinity.dense.kernel[...] = jnp.pad(kernel, ((0, 0), (0, affinity.num_experts - num_experts)))
     x = x.reshape(2 * group_images, tokens_per_image, dim)
     y32, out32 = layer(x)
     y16, out16 = layer(x.astype(jnp.bfloat16))
