@@ -58,7 +58,7 @@ def top_p_mask(probs: Array, threshold) -> Array:
     p, and a search for that place would find none (``argmax`` of all-False gives the top-1
     alone), while this rule selects every expert, as p = 1 means. An expert whose probability is
     lost in the round-off of the mass before it (that mass already rounds to 1) is not selected.
-    Ties are ranked by expert index (lower first), as :func:`jax.lax.top_k` does.
+    Ties are ranked by expert index (lower first), as ``jax.lax.top_k`` does.
 
     Args:
       probs: ``[..., T, E]`` each token's distribution over experts (rows sum to 1).
