@@ -17,9 +17,10 @@ def test_the_dry_run_takes_every_step_and_records_the_device(tmp_path):
     record = json.loads(out.read_text())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert record["dry"] and record["platform"] == "cpu" and record["device"]
-    assert [s["step"] for s in record["steps"]] == ["units", "chapter", "bench"]
+    assert [s["step"] for s in record["steps"]] == ["units", "bench", "chapter"]
     assert all(s["status"] == "ok" for s in record["steps"]), record["steps"]
-    assert "passed" in record["steps"][0]["output_tail"] and "failed" not in record["steps"][0]["output_tail"]
+    units = record["steps"][0]
+    assert "passed" in units["output_tail"] and "failed" not in units["output_tail"] and units["failures"] == []
     dropless = record["bench"]["dropless"]
     assert {r["k"] for r in dropless} == {1, 2} and all("blocked_time_ratio" in r and "time_ratio" in r for r in dropless)
     routers = {r["router"] for r in record["bench"]["routers_reference"]}
@@ -29,5 +30,8 @@ def test_the_dry_run_takes_every_step_and_records_the_device(tmp_path):
 def test_a_failing_or_hanging_step_is_recorded_not_hidden():
     failed = device_check.run_step("x", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], {}, 60)
     assert failed["status"] == "failed (exit 3)" and "boom" in failed["output_tail"]
+    named = device_check.run_step("z", [sys.executable, "-c", "print('tests/t.py::a PASSED'); print('tests/t.py::b FAILED')"],
+                                  {}, 60)
+    assert named["failures"] == ["tests/t.py::b FAILED"]
     slow = device_check.run_step("y", [sys.executable, "-c", "import time; time.sleep(30)"], {}, 1)
     assert slow["status"] == "timed out after 1 s"
