@@ -605,6 +605,110 @@ register(Lab(
 ))
 
 
+def _drop_upcycle_reference(w1, b1, w2, b2, chosen, noise_w1, noise_b1, noise_w2):
+    """The library's upcycling of one dense MLP into E experts: tiled (:func:`mini_moe.upcycle.expand_tile`),
+    then Drop-Upcycling's chosen units re-drawn (:func:`mini_moe.upcycle.reinit_units`)."""
+    from mini_moe import upcycle  # here, not at the top: upcycle imports the model, which imports far more
+
+    num_experts = np.asarray(chosen).shape[0]
+    dense = {"w1": jnp.asarray(w1), "b1": jnp.asarray(b1), "w2": jnp.asarray(w2), "b2": jnp.asarray(b2)}
+    tiled = {name: upcycle.expand_tile(x if x.ndim == 2 else x[None], num_experts) for name, x in dense.items()}
+    out = upcycle.reinit_units(tiled, dense, chosen, {"w1": noise_w1, "b1": noise_b1, "w2": noise_w2})
+    return out["w1"], out["b1"], out["w2"], out["b2"]
+
+
+def _drop_upcycle_cases(rng):
+    """Dense MLPs with a choice of units per expert and the normal draws; edge cases first."""
+    def case(label, d, h, e, chosen=None, w1=None):
+        w1 = rng.normal(size=(d, h)).astype(np.float32) * 0.5 + 0.1 if w1 is None else w1
+        chosen = rng.random((e, h)) < 0.4 if chosen is None else np.broadcast_to(chosen, (e, h)).copy()
+        return label, dict(w1=w1, b1=rng.normal(size=h).astype(np.float32) * 0.1,
+                           w2=rng.normal(size=(h, d)).astype(np.float32) * 0.3 - 0.2,
+                           b2=rng.normal(size=d).astype(np.float32), chosen=chosen,
+                           noise_w1=rng.normal(size=(e, d, h)).astype(np.float32),
+                           noise_b1=rng.normal(size=(e, 1, h)).astype(np.float32),
+                           noise_w2=rng.normal(size=(e, h, d)).astype(np.float32))
+
+    return [case("r = 0: plain copies", 3, 4, 2, False), case("r = 1: nothing kept", 2, 3, 3, True),
+            case("one expert", 3, 5, 1), case("one unit of one expert", 2, 4, 3,
+                                              np.array([[False] * 4, [False, True, False, False], [False] * 4])),
+            case("a constant dense w1 (std 0)", 2, 3, 2, None, np.full((2, 3), 0.7, np.float32))] + [
+        case(f"random {i}", int(rng.integers(1, 6)), int(rng.integers(1, 8)), int(rng.integers(1, 5)))
+        for i in range(6)]
+
+
+register(Lab(
+    name="ch18.drop_upcycle",
+    axes=(("expert", "input", "unit"), ("expert", "one", "unit"), ("expert", "unit", "output"),
+          ("expert", "one", "output")),
+    signature="(w1, b1, w2, b2, chosen, noise_w1, noise_b1, noise_w2)",
+    doc="Sparse upcycling with Drop-Upcycling (chapter 18): a dense MLP w1 [D, H], b1 [H], w2 [H, D], b2 [D] -> E "
+        "experts (W1 [E, D, H], B1 [E, 1, H], W2 [E, H, D], B2 [E, 1, D]), E = chosen.shape[0], each a copy of the "
+        "MLP, except that where chosen[e, j] (bool [E, H]) expert e's hidden unit j is re-initialised: its column "
+        "W1[e, :, j], its bias B1[e, 0, j] and its row W2[e, j, :] become mean + std * noise of the dense w1, b1 "
+        "and w2 respectively (mean and population std over the whole dense matrix; noise_w1 [E, D, H], noise_b1 "
+        "[E, 1, H], noise_w2 [E, H, D] standard normal draws). B2 is always copied.",
+    reference=_drop_upcycle_reference,
+    cases=_drop_upcycle_cases,
+    properties=(("an expert's b2 is not the dense b2", lambda kw, out: np.allclose(np.asarray(out[3]), kw["b2"])),
+                ("a unit that is not chosen differs from the dense MLP's",
+                 lambda kw, out: np.allclose(np.where(kw["chosen"][:, None, :], kw["w1"], np.asarray(out[0])),
+                                             kw["w1"]))),
+    hint="chapter 18, 'Breaking the symmetry: Drop-Upcycling': which axis of each matrix is a hidden unit, and "
+         "whose mean and standard deviation does a fresh entry take?",
+))
+
+
+def _top_p_reference(probs, threshold):
+    from mini_moe.routers import adaptive  # here, not at the top: the routers import the layer
+
+    return adaptive.top_p_mask(jnp.asarray(probs), threshold)
+
+
+def _top_p_cases(rng):
+    """Router distributions [T, E] with a threshold p; exact binary fractions where the rule's edge
+    (mass before an expert equal to p) decides, float32 rows summing to just under 1 at p = 1."""
+    uniform = np.full((2, 4), 0.25, np.float32)
+    short = np.array([[0.7, 0.2, 0.0999999], [0.0999999, 0.2, 0.7]], np.float32)
+    assert np.all(short.sum(-1, dtype=np.float32) < 1)
+    cases = [("one expert", {"probs": np.ones((3, 1), np.float32), "threshold": 0.5}),
+             ("uniform, p at a tie", {"probs": uniform, "threshold": 0.5}),
+             ("mass before an expert exactly p", {"probs": np.array([[0.5, 0.25, 0.125, 0.125]], np.float32),
+                                                   "threshold": 0.75}),
+             ("p = 1, rows summing to just under 1", {"probs": short, "threshold": 1.0}),
+             ("a small p: the top expert alone", {"probs": _softmax(rng.normal(size=(4, 5)) * 2), "threshold": 0.05})]
+    shapes = [(int(rng.integers(1, 9)), int(rng.integers(2, 9))) for _ in range(6)]
+    return cases + [(f"random {i}", {"probs": _softmax(rng.normal(size=shape) * float(rng.choice([0.5, 2.0, 5.0]))),
+                                     "threshold": float(rng.choice([0.3, 0.5, 0.8, 0.9, 0.95]))})
+                    for i, shape in enumerate(shapes)]
+
+
+def _selects_a_prefix_of_the_ranking(kwargs, selected) -> bool:
+    """Every token selects at least one expert, and none less probable than one it leaves out."""
+    probs, selected = np.asarray(kwargs["probs"]), np.asarray(selected, bool)
+    lowest_kept = np.where(selected, probs, np.inf).min(-1)
+    highest_left = np.where(selected, -np.inf, probs).max(-1)
+    return bool(selected.any(-1).all() and np.all(lowest_kept >= highest_left))
+
+
+register(Lab(
+    name="ch19.top_p",
+    axes=(("token", "expert"),),
+    signature="(probs, threshold)",
+    doc="Top-p routing's choice (Huang et al. 2024; chapter 19): probs [T, E] (each row a distribution over the "
+        "experts), threshold p in (0, 1] -> bool [T, E]: each token ranks its experts by decreasing probability (ties: "
+        "the lower index first) and selects expert j when the probability of the experts ranked before j is below p. "
+        "A token gets at least one expert, and at p = 1 every expert.",
+    reference=_top_p_reference,
+    cases=_top_p_cases,
+    properties=(("a token selects no expert, or leaves out an expert more probable than one it selects",
+                 _selects_a_prefix_of_the_ranking),),
+    tolerance=(0, 0),
+    hint="chapter 19, 'Top-p: experts until the mass reaches p': is the expert that carries the mass past p "
+         "selected, and what does the rule do at p = 1 when the rounded probabilities sum to less than 1?",
+))
+
+
 # ------------------------------------------------------------------------------------- the grader
 
 #: The seconds a submission's process may run for one lab, and the memory (GiB) it may take.

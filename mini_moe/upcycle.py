@@ -53,8 +53,30 @@ def expand_tile(x, num_experts: int):
     return jnp.tile(x, (num_experts,) + (1,) * (x.ndim - 1))
 
 
+def reinit_units(experts: dict, dense: dict, chosen, noise: dict) -> dict:
+    """Drop-Upcycling's re-initialisation, given its choice of units and its draws.
+
+    Args:
+      experts: ``w1 [E, D, H]``, ``b1 [E, 1, H]``, ``w2 [E, H, D]`` (and ``b2``, left as it is),
+        E copies of the dense MLP.
+      dense: the dense MLP's ``w1 [D, H]``, ``b1 [H]``, ``w2 [H, D]``: each one's mean and
+        (population) standard deviation are the statistics of its re-drawn entries.
+      chosen: bool ``[E, H]``, True where expert e re-initialises its hidden unit j.
+      noise: standard normal draws ``w1 [E, D, H]``, ``b1 [E, 1, H]``, ``w2 [E, H, D]``.
+
+    Returns:
+      ``experts`` with ``w1[e, :, j]``, ``b1[e, 0, j]`` and ``w2[e, j, :]`` replaced by
+      ``mean + std * noise`` of the dense ``w1``, ``b1`` and ``w2`` wherever ``chosen[e, j]``:
+      the unit's input column, its bias and its output row.
+    """
+    chosen = jnp.asarray(chosen, bool)
+    masks = {"w1": chosen[:, None, :], "b1": chosen[:, None, :], "w2": chosen[:, :, None]}
+    return experts | {name: jnp.where(mask, jnp.mean(dense[name]) + jnp.std(dense[name]) * noise[name], experts[name])
+                      for name, mask in masks.items()}
+
+
 def drop_reinit(experts: dict, dense: dict, ratio: float, key) -> dict:
-    """Drop-Upcycling's re-initialisation of tiled experts.
+    """Drop-Upcycling's re-initialisation of tiled experts (:func:`reinit_units` with random draws).
 
     Args:
       experts: ``w1 [E, D, H]``, ``b1 [E, 1, H]``, ``w2 [E, H, D]`` (and ``b2``, left as it is),
@@ -75,14 +97,9 @@ def drop_reinit(experts: dict, dense: dict, ratio: float, key) -> dict:
     keys = jax.random.split(key, 4)
     order = jax.vmap(lambda k: jax.random.permutation(k, hidden))(jax.random.split(keys[0], num_experts))
     chosen = jnp.zeros((num_experts, hidden), bool).at[jnp.arange(num_experts)[:, None], order[:, :dropped]].set(True)
-
-    def redraw(x, original, mask, k):  # mask broadcasts to x: True where x is re-initialised
-        fresh = jnp.mean(original) + jnp.std(original) * jax.random.normal(k, x.shape, x.dtype)
-        return jnp.where(mask, fresh, x)
-
-    return experts | dict(w1=redraw(experts["w1"], dense["w1"], chosen[:, None, :], keys[1]),
-                          b1=redraw(experts["b1"], dense["b1"], chosen[:, None, :], keys[2]),
-                          w2=redraw(experts["w2"], dense["w2"], chosen[:, :, None], keys[3]))
+    noise = {name: jax.random.normal(k, experts[name].shape, experts[name].dtype)
+             for name, k in zip(("w1", "b1", "w2"), keys[1:])}
+    return reinit_units(experts, dense, chosen, noise)
 
 
 def upcycled_config(dense_cfg: ModelConfig, *, router: str, num_experts: int, router_kwargs: dict | None = None,

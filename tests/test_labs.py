@@ -174,6 +174,23 @@ MUTANTS = {
             jnp.asarray(scores).reshape(-1, patches, scores.shape[-1])).reshape(len(scores), scores.shape[-1], -1),
             ((0, 0), (0, 0), (0, max(0, capacity - max(1, -(-capacity // (len(scores) // patches))))))),
     ],
+    "ch18.drop_upcycle": [
+        lambda **kw: _drop_upcycle(**kw, ddof=1),  # the sample standard deviation
+        lambda **kw: _drop_upcycle(**kw, stats="per unit"),  # each unit's own column statistics
+        lambda **kw: _drop_upcycle(**kw, same_choice=True),  # expert 0's choice for every expert
+        lambda **kw: _drop_upcycle(**kw, bias=False),  # the unit's bias kept from the dense MLP
+        lambda **kw: _drop_upcycle(**kw, out_bias=True),  # the output bias re-drawn too
+        lambda **kw: _drop_upcycle(**kw, stats="pooled"),  # one mean and std over w1, b1 and w2 together
+        lambda **kw: _drop_upcycle(**kw, scale=False),  # mean + noise, the standard deviation left out
+    ],
+    "ch19.top_p": [
+        lambda probs, threshold: _top_p(probs, threshold, before="inclusive"),  # the crossing expert left out
+        lambda probs, threshold: _top_p(probs, threshold, strict=False),  # mass before <= p
+        lambda probs, threshold: _top_p(probs, threshold, rank=False),  # cumulative in index order, no ranking
+        lambda probs, threshold: _top_p(probs, threshold, ties="higher"),  # ties: the higher index first
+        lambda probs, threshold: _top_p(probs, threshold, search=True),  # up to the first place cumulative >= p
+        lambda probs, threshold: _top_p(probs, threshold, scatter=False),  # the mask left in ranked order
+    ],
     "ch13.sort_by_expert": [
         lambda expert, num_experts: (jnp.argsort(-expert, stable=True)[::-1],
                                      jnp.bincount(expert, length=num_experts)),  # unstable within an expert
@@ -185,6 +202,58 @@ MUTANTS = {
                                      jnp.cumsum(jnp.bincount(expert, length=num_experts))),  # offsets, not sizes
     ],
 }
+
+
+def _drop_upcycle(w1, b1, w2, b2, chosen, noise_w1, noise_b1, noise_w2, *, ddof=0, stats="matrix",
+                  same_choice=False, bias=True, out_bias=False, scale=True):
+    """Drop-Upcycling in NumPy, with the typical mistakes as switches (the right answer: the defaults)."""
+    chosen = np.broadcast_to(chosen[:1], chosen.shape) if same_choice else chosen
+    e = chosen.shape[0]
+    dense = {"w1": w1, "b1": b1[None], "w2": w2, "b2": b2[None]}
+    pooled = np.concatenate([w1.ravel(), b1.ravel(), w2.ravel()])
+
+    def fresh(x, noise, axis):
+        if stats == "per unit":  # over the other axis of each unit's column / row
+            mean, std = x.mean(axis=axis, keepdims=True), x.std(axis=axis, ddof=ddof, keepdims=True)
+        elif stats == "pooled":
+            mean, std = pooled.mean(), pooled.std(ddof=ddof)
+        else:
+            mean, std = x.mean(), x.std(ddof=ddof) if x.size > ddof else 0.0
+        return mean + (std if scale else 1.0) * noise
+
+    out = {name: np.repeat(x[None], e, axis=0) for name, x in dense.items()}
+    out["w1"] = np.where(chosen[:, None, :], fresh(w1, noise_w1, 0), out["w1"])
+    if bias:
+        out["b1"] = np.where(chosen[:, None, :], fresh(b1[None], noise_b1, 0), out["b1"])
+    out["w2"] = np.where(chosen[:, :, None], fresh(w2, noise_w2, 1), out["w2"])
+    if out_bias:  # every expert's b2 re-drawn where its unit 0 is chosen, from b2's statistics
+        out["b2"] = np.where(chosen[:, :1, None], b2.mean() + b2.std() * noise_b1[:, :, :1], out["b2"])
+    return out["w1"], out["b1"], out["w2"], out["b2"]
+
+
+def _top_p(probs, threshold, *, before="exclusive", strict=True, rank=True, ties="lower", search=False, scatter=True):
+    """Top-p selection in NumPy, with the typical mistakes as switches (the right answer: the defaults)."""
+    probs = np.asarray(probs, np.float32)
+    t, e = probs.shape
+    if not rank:
+        order = np.tile(np.arange(e), (t, 1))
+    elif ties == "lower":
+        order = np.argsort(-probs, axis=-1, kind="stable")
+    else:
+        order = (e - 1 - np.argsort(-probs[:, ::-1], axis=-1, kind="stable"))
+    ranked = np.take_along_axis(probs, order, -1)
+    cumulative = np.cumsum(ranked, -1, dtype=np.float32)
+    if search:  # the first ranked place where the cumulative reaches p (none found: argmax gives place 0)
+        last = np.argmax(cumulative >= threshold, -1)
+        keep = np.arange(e)[None] <= last[:, None]
+    else:
+        mass = cumulative if before == "inclusive" else cumulative - ranked
+        keep = mass < threshold if strict else mass <= threshold
+    if not scatter:
+        return keep
+    selected = np.zeros_like(keep)
+    np.put_along_axis(selected, order, keep, -1)
+    return selected
 
 
 def _prc(probs1, probs2, index, valid, *, pairs="valid", offdiag_norm="E(E-1)", partner="index",
