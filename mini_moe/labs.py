@@ -698,7 +698,8 @@ register(Lab(
     doc="Top-p routing's choice (Huang et al. 2024; chapter 19): probs [T, E] (each row a distribution over the "
         "experts), threshold p in (0, 1] -> bool [T, E]: each token ranks its experts by decreasing probability (ties: "
         "the lower index first) and selects expert j when the probability of the experts ranked before j is below p. "
-        "A token gets at least one expert, and at p = 1 every expert.",
+        "A token gets at least one expert, and at p = 1 every expert (but one whose probability is lost in the "
+        "float32 rounding of the mass ranked before it).",
     reference=_top_p_reference,
     cases=_top_p_cases,
     properties=(("a token selects no expert, or leaves out an expert more probable than one it selects",

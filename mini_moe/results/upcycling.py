@@ -358,29 +358,35 @@ def run_study(plan: Plan, seeds, runs: pathlib.Path, *, source: str | None = Non
     return json.loads(out.read_text()) if out.exists() else {"runs": []}
 
 
+def analysis(record: dict, plan: Plan, *, stopped: bool = False) -> dict:
+    """The registered contrasts of a results ``record``, on the seeds whose cells of both arms
+    finished: mean paired difference in points, two-sided paired t (df = n - 1), 95 % CI, Holm over
+    all ten. Refuses while a planned seed is incomplete, unless ``stopped`` (the study ended under
+    stop rule 2). A pure function of the record: the chapter re-computes the committed analysis."""
+    acc = {(r["arm"], r["seed"]): r["test_accuracy"] for r in record["runs"] if "failed" not in r}
+    complete = [s for s in plan.seeds if all(any((a, s) == (r["arm"], r["seed"]) for r in record["runs"]) for a in ARMS)]
+    if len(complete) < len(plan.seeds) and not stopped:
+        raise SystemExit(f"upcycling analyze: {len(complete)}/{len(plan.seeds)} seeds complete; the contrasts "
+                         "are computed once every planned seed has finished (or with --stopped, stop rule 2).")
+    rows = []
+    for number, a, sa, b, sb, question in contrasts(plan):
+        seeds = [s for s in complete if (a, s) in acc and (b, s) in acc]
+        diffs = [acc[a, s][str(sa)] - acc[b, s][str(sb)] for s in seeds]
+        rows.append({"number": number, "first": [a, sa], "second": [b, sb], "question": question, "seeds": seeds,
+                     "differences": diffs, **study.paired_t(diffs)})
+    for row, p in zip(rows, study.holm([1.0 if math.isnan(r["p_value"]) else r["p_value"] for r in rows])):
+        row["p_holm"] = p
+        row["verdict"] = study.verdict(row, unit=" points", scale=100, alpha=ALPHA)
+    control = rows[8]
+    return {"complete_seeds": complete, "stopped": stopped, "rows": rows,
+            "positive_control_holds": bool(control["p_holm"] < ALPHA and control["difference"] > 0),
+            "exploratory": len(complete) < 6}
+
+
 def analyze(plan: Plan, out: pathlib.Path, *, stopped: bool = False) -> dict:
-    """The registered contrasts, on the seeds whose cells of both arms finished: mean paired
-    difference in points, two-sided paired t (df = n - 1), 95 % CI, Holm over all ten. Refuses
-    while a planned seed is incomplete, unless ``stopped`` (the study ended under stop rule 2)."""
+    """:func:`analysis` of the results file ``out``, written into it (``"analysis"``)."""
     def update(rec):
-        acc = {(r["arm"], r["seed"]): r["test_accuracy"] for r in rec["runs"] if "failed" not in r}
-        complete = [s for s in plan.seeds if all(any((a, s) == (r["arm"], r["seed"]) for r in rec["runs"]) for a in ARMS)]
-        if len(complete) < len(plan.seeds) and not stopped:
-            raise SystemExit(f"upcycling analyze: {len(complete)}/{len(plan.seeds)} seeds complete; the contrasts "
-                             "are computed once every planned seed has finished (or with --stopped, stop rule 2).")
-        rows = []
-        for number, a, sa, b, sb, question in contrasts(plan):
-            seeds = [s for s in complete if (a, s) in acc and (b, s) in acc]
-            diffs = [acc[a, s][str(sa)] - acc[b, s][str(sb)] for s in seeds]
-            rows.append({"number": number, "first": [a, sa], "second": [b, sb], "question": question, "seeds": seeds,
-                         "differences": diffs, **study.paired_t(diffs)})
-        for row, p in zip(rows, study.holm([1.0 if math.isnan(r["p_value"]) else r["p_value"] for r in rows])):
-            row["p_holm"] = p
-            row["verdict"] = study.verdict(row, unit=" points", scale=100, alpha=ALPHA)
-        control = rows[8]
-        rec["analysis"] = {"complete_seeds": complete, "stopped": stopped, "rows": rows,
-                           "positive_control_holds": bool(control["p_holm"] < ALPHA and control["difference"] > 0),
-                           "exploratory": len(complete) < 6}
+        rec["analysis"] = analysis(rec, plan, stopped=stopped)
     return confirm.locked_update(out, update)
 
 
