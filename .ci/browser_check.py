@@ -373,7 +373,7 @@ EXPLORER_INFO_JS = r"""JSON.stringify([...document.querySelectorAll('.mini-moe-e
   const models = {};
   for (const [name, m] of Object.entries(data.models))
     models[name] = {capacities: m.capacities, layers: m.layers, slots: m.slots_per_expert,
-                    dataset: m.dataset, source: m.source};
+                    dataset: m.dataset, source: m.source, null_experts: m.null_experts || 0};
   const datasets = {};
   for (const [name, d] of Object.entries(data.datasets)) datasets[name] = {count: d.images.length, source: d.source};
   return {id: root.id, chars: script.textContent.length, models, datasets, error: root.dataset.error || null,
@@ -388,7 +388,8 @@ EXPLORER_SET_JS = r"""((id, which, value) => {
   c.dispatchEvent(new Event(which === 'image' ? 'input' : 'change', {bubbles: true}));
   return JSON.stringify({state: root.dataset.state, draws: Number(root.dataset.draws), value: c.value,
     disabled: c.disabled,
-    experts: [...root.querySelectorAll('rect.mme-patch')].map(r => Number(r.dataset.expert))});
+    experts: [...root.querySelectorAll('rect.mme-patch')].map(r => Number(r.dataset.expert)),
+    real: [...root.querySelectorAll('rect.mme-patch')].map(r => r.dataset.real === undefined ? null : Number(r.dataset.real))});
 })"""
 
 
@@ -457,7 +458,8 @@ def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
             if factor is not None:
                 _set(browser, root, "capacity", f"{factor:g}")
             _set(browser, root, "layer", str(layer))
-            drawn = _set(browser, root, "image", str(image))["experts"]
+            shown = _set(browser, root, "image", str(image))
+            drawn = shown["experts"]
             if name not in cache:
                 model, cfg, _ = explorer.load_source(m["source"], base=ROOT / "book")  # chapters run in book/
                 cache[name] = (model, explorer.test_images(cfg, r["datasets"][m["dataset"]]["source"]["first"]))
@@ -467,6 +469,15 @@ def check_explorers(browser: Browser, page: str, shots: Path) -> list[str]:
             if drawn != expected:
                 problems.append(f"explorer {root}: {name}, c = {factor}, layer {layer}, image {image}: drawn experts "
                                 f"{drawn}, mini_moe computes {expected}")
+            if m.get("null_experts"):  # each patch's count of real experts, on every image (a dropped patch: none)
+                for index, v in enumerate(explorer.batch_views(model, images[:count], factor)[layer]):
+                    shown = _set(browser, root, "image", str(index))
+                    dropped = (np.asarray(v["expert"]) < 0) & ~np.asarray(v["null_only"], bool)
+                    real = [None if d else int(n) for d, n in zip(dropped.ravel(), np.asarray(v["experts_per_patch"]).ravel())]
+                    if shown["real"] != real:
+                        problems.append(f"explorer {root}: {name}, layer {layer}, image {index}: drawn counts of real "
+                                        f"experts {shown['real']}, mini_moe computes {real}")
+                        break
             compared += len(expected)
         print(f"    explorer {root}: {len(names)} model(s), {len(moves)} control(s) moved, {compared} drawn patches "
               f"equal to mini_moe's routing; data {r['chars'] / 1e6:.2f} MB")

@@ -2,7 +2,8 @@
 // library, no network. It reads the JSON that mini_moe.explorer.export computed from trained models
 // (in a <script type="application/json" class="mme-data"> inside each .mini-moe-explorer element)
 // and draws one view at a time: the image's patches coloured by their expert, the combine weight
-// as opacity, patches that reached no expert in black with a white cross, each expert's load
+// as opacity, patches that reached no expert in black with a white cross (for a model with null
+// experts: each patch's count of real experts, 0 for null experts only), each expert's load
 // against its capacity, Soft MoE's slot mixing weights, and a line of numbers. Every control is a
 // native <select> or <input type="range">, so the keyboard works as everywhere else.
 // After each drawing the root element's data-state holds the drawn state as JSON (the browser
@@ -12,8 +13,14 @@
   // Okabe and Ito's colour-blind-safe palette without its black (black marks unrouted patches);
   // the same as mini_moe.explorer.PALETTE.
   var PALETTE = ["#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999"];
+  // With null experts a patch shows its count of real experts, from PALE (0) to DARK (all E).
+  var PALE = [255, 255, 217], DARK = [8, 29, 88];
   var SVG = "http://www.w3.org/2000/svg";
   var PIXELS = 280; // drawn size of the image, in CSS pixels
+
+  function blend(from, to, t) {
+    return "rgb(" + from.map(function (a, j) { return Math.round(a + (to[j] - a) * t); }).join(",") + ")";
+  }
 
   function el(tag, attrs, parent, ns) {
     var node = ns ? document.createElementNS(SVG, tag) : document.createElement(tag);
@@ -130,7 +137,7 @@
       if (slot >= 0) {
         for (var p = 0; p < side * side; p++) slotMax = Math.max(slotMax, v.slots[p * m.num_experts * m.slots_per_expert + slot]);
       }
-      var unrouted = 0;
+      var unrouted = 0, nullOnly = 0;
       for (var r = 0; r < side; r++) {
         for (var c = 0; c < side; c++) {
           var i = r * side + c, e = v.expert[i], w = v.weight[i] / 100;
@@ -142,6 +149,15 @@
             rect.setAttribute("fill", colour(Math.floor(slot / m.slots_per_expert)));
             rect.setAttribute("fill-opacity", slotMax > 0 ? (0.9 * mix / slotMax).toFixed(3) : "0");
             rect.setAttribute("data-mix", mix);
+          } else if (m.null_experts && !(e < 0 && !v.null_only[i])) { // the count of real experts, null-only: 0
+            var count = v.experts[i], shade = count / m.num_experts;
+            if (v.null_only[i]) nullOnly++;
+            rect.setAttribute("fill", blend(PALE, DARK, shade));
+            rect.setAttribute("fill-opacity", "0.85");
+            rect.setAttribute("data-real", count);
+            var n = el("text", { x: c * cell + cell / 2, y: r * cell + cell / 2 + 5, "text-anchor": "middle",
+                                 "font-size": 14, fill: shade > 0.5 ? "#ffffff" : "#000000" }, picture, true);
+            n.textContent = String(count);
           } else if (e < 0) {
             unrouted++;
             rect.setAttribute("fill", "#000000");
@@ -159,10 +175,19 @@
       }
       picture.setAttribute("aria-label", slot >= 0 ?
         "mixing weights of slot " + (slot % m.slots_per_expert) + " of expert " + Math.floor(slot / m.slots_per_expert) :
-        "patches coloured by expert; " + unrouted + " of " + side * side + " patches reached no expert");
+        (m.null_experts ? "real experts per patch; " + nullOnly + " of " + side * side + " patches picked null experts only; " :
+         "patches coloured by expert; ") + unrouted + " of " + side * side + " patches " +
+        (m.null_experts ? "dropped" : "reached no expert"));
       drawLoads(m, v);
       legend.innerHTML = "";
-      for (var k = 0; k < m.num_experts; k++) {
+      if (m.null_experts) { // a count per patch, not an expert: a scale from 0 to E instead of the experts' colours
+        [0, m.num_experts].forEach(function (count) {
+          var end = el("span", { "class": "mme-key" }, legend);
+          el("span", { "class": "mme-swatch", style: "background:" + blend(PALE, DARK, count / m.num_experts) }, end);
+          end.appendChild(document.createTextNode(count + " real experts" + (count ? " " : " (null experts only, not dropped) ")));
+        });
+      }
+      for (var k = 0; k < (m.null_experts ? 0 : m.num_experts); k++) {
         var item = el("span", { "class": "mme-key" }, legend);
         el("span", { "class": "mme-swatch", style: "background:" + colour(k) }, item);
         item.appendChild(document.createTextNode("expert " + k + " "));
@@ -171,7 +196,8 @@
       el("span", { "class": "mme-swatch", style: "background:#000" }, black);
       black.appendChild(document.createTextNode(m.capacities[0] === null ? "reached no expert" : "dropped (no expert)"));
       numbers.textContent = "Tokens of the routing group that reached no expert: " + percent(v.dropped) +
-        "; experts per token: " + v.experts_per_token.toFixed(2) +
+        (m.null_experts ? "; patches with null experts only: " + percent(v.null_share) + "; real experts per token: " :
+         "; experts per token: ") + v.experts_per_token.toFixed(2) +
         "; this model's test accuracy: " + (m.accuracy === null ? "not measured" : percent(m.accuracy)) + ".";
       draws++;
       root.setAttribute("data-draws", String(draws));

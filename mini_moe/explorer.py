@@ -104,20 +104,6 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
                  soft=moe_layers[layer].mlp.router.per_image)
 
 
-def _real_picks(router, probs) -> np.ndarray | None:
-    """``int [..., T]``: the real experts each token picked, before any capacity, for a router with
-    null experts in its choice set (None for others): of its top k of the E + Z columns of
-    ``probs + bias`` (:class:`~mini_moe.routers.NullGates` ranks that; its bias stays 0 but under
-    LongCat's controller), the first E, by the allocation's own rule (``TokenChoice.real_picks``)."""
-    from mini_moe import routers
-
-    if not getattr(router.allocation, "null_experts", 0):
-        return None
-    selection = np.asarray(probs) + np.asarray(router.affinity.bias[...])
-    picks = router.allocation.real_picks(routers.Affinities(selection))
-    return np.asarray(picks["scores"] > picks["min_score"]).sum(-1)
-
-
 def _moe_layers(model):
     layers = [block for block in model.blocks if block.use_moe]
     if not layers:
@@ -158,8 +144,9 @@ def offered_capacities(model, capacities) -> list[float] | list[None]:
 def _route(model, batch, capacity_factor):
     """One eval-mode forward of ``batch`` (whole routing groups) at ``capacity_factor`` (ignored
     without :func:`has_capacity`): per MoE layer ``(dispatch, combine, picks)``, the first two as
-    NumPy ``[G, T, E, C]``, ``picks [G, T]`` each token's real picks (:func:`_real_picks`; None
-    without null experts), and the factor used (None without a capacity)."""
+    NumPy ``[G, T, E, C]``, ``picks [G, T]`` each token's real picks before any capacity
+    (``evaluate._picks_made``, the rule of the routing record; None without null experts), and
+    the factor used (None without a capacity)."""
     factor = capacity_factor if has_capacity(model) else None
     with capacity(model, factor), evaluate.eval_mode(model):
         out = evaluate._forward(model, np.asarray(batch), return_routing=True)
@@ -167,7 +154,9 @@ def _route(model, batch, capacity_factor):
     layers = []
     for block, rt, probs in zip(_moe_layers(model), out.routings, out.probs):
         dispatch = np.asarray(rt.dispatch)
-        picks = _real_picks(block.mlp.router, probs)
+        router = block.mlp.router
+        null = getattr(router.allocation, "null_experts", 0)
+        picks = evaluate._picks_made(router, np.asarray(probs)) if null else None
         layers.append((dispatch, np.asarray(rt.combine), None if picks is None else picks.reshape(dispatch.shape[:2])))
     return layers, factor
 
@@ -573,11 +562,11 @@ def null_note(m: dict) -> str:
     per MoE layer (at the factor it opens at)."""
     views = m["views"]["none" if m["trained_capacity"] is None else f"{m['trained_capacity']:g}"]
     means = ", ".join(f"{np.mean([v['experts'] for v in layer]):.2f}" for layer in views)
-    black = ("picked null experts only: no real expert, not dropped" if m["capacities"] == [None] else
-             "has no real expert: it picked null experts only, or its real picks were dropped for capacity")
-    return (f"{m['label']}. The experts drawn are its {m['num_experts']} real ones (its {m['null_experts']} null "
-            f"experts take no slot). A patch's number \"e\" means 1 real expert and \"e +N\" N + 1; a black "
-            f"patch {black}. Real experts per patch over these images, by MoE layer: {means}.")
+    dropped = ("" if m["capacities"] == [None] else
+               " A black patch with a cross had its real picks dropped for capacity.")
+    return (f"{m['label']}. Each patch shows how many of the {m['num_experts']} real experts it reached (its "
+            f"{m['null_experts']} null experts take no slot and compute nothing): 0, the palest, means null experts "
+            f"only, not dropped.{dropped} Real experts per patch over these images, by MoE layer: {means}.")
 
 
 #: The committed models of the book's explorer page (mini_moe/results/explorer_models.py).
