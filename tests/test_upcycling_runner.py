@@ -9,6 +9,7 @@ import math
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -115,3 +116,48 @@ def test_the_upcycled_cell_starts_from_upcycle_of_the_dense_checkpoint(smoke):
     for got, want in zip(first["layers"], row["layers"]):
         assert {k: got[k] for k in want} == want
     assert cell["start"]["fingerprint"] == train.state_fingerprint(__import__("flax").nnx.state(model))
+
+
+def _synthetic_record(plan, rng, *, missing=()):
+    """A results record of every arm and planned seed with made-up accuracies at every budget."""
+    steps = sorted({b for _, a, sa, b_arm, sb, _ in upcycling.contrasts(plan) for b in (sa, sb)})
+    runs = [{"arm": arm, "seed": seed, "test_accuracy": {str(s): float(rng.uniform(0.8, 0.9)) for s in steps}}
+            for seed in plan.seeds for arm in upcycling.ARMS if (arm, seed) not in missing]
+    return {"runs": runs}
+
+
+def test_the_analysis_is_scipys_paired_t_with_holms_correction():
+    """``analysis`` against an independent computation: SciPy's paired t-test per contrast on the
+    accuracy differences in points, and Holm's step-down adjustment written out here."""
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    plan = upcycling.REGISTERED
+    record = _synthetic_record(plan, rng)
+    out = upcycling.analysis(record, plan)
+    acc = {(r["arm"], r["seed"]): r["test_accuracy"] for r in record["runs"]}
+    p_values = []
+    for row, (number, a, sa, b, sb, _) in zip(out["rows"], upcycling.contrasts(plan)):
+        first = [acc[a, s][str(sa)] for s in plan.seeds]
+        second = [acc[b, s][str(sb)] for s in plan.seeds]
+        test = stats.ttest_rel(first, second)
+        assert row["number"] == number and row["seeds"] == list(plan.seeds) and row["df"] == len(plan.seeds) - 1
+        assert row["difference"] == pytest.approx(np.mean(np.subtract(first, second)), abs=1e-12)
+        assert row["p_value"] == pytest.approx(test.pvalue, rel=1e-9)
+        p_values.append(test.pvalue)
+    order = np.argsort(p_values)
+    holm = np.minimum(1, np.maximum.accumulate([(len(p_values) - i) * p_values[j] for i, j in enumerate(order)]))
+    expected = np.empty(len(p_values))
+    expected[order] = holm
+    assert [row["p_holm"] for row in out["rows"]] == pytest.approx(expected.tolist(), rel=1e-9)
+    assert out["complete_seeds"] == list(plan.seeds) and not out["exploratory"]
+
+
+def test_the_analysis_waits_for_every_seed_unless_stopped():
+    rng = np.random.default_rng(1)
+    plan = upcycling.REGISTERED
+    record = _synthetic_record(plan, rng, missing={("scratch_ec", plan.seeds[-1])})
+    with pytest.raises(SystemExit, match="8/9 seeds complete"):
+        upcycling.analysis(record, plan)
+    stopped = upcycling.analysis(record, plan, stopped=True)
+    assert stopped["complete_seeds"] == list(plan.seeds[:-1]) and all(r["pairs"] == 8 for r in stopped["rows"])
