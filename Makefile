@@ -21,7 +21,7 @@ STAMP := $(VENV)/.mini_moe-installed
 CHAPTERS_MD := $(sort $(wildcard book/[0-9][0-9]_*.md))
 CHAPTERS_NB := $(CHAPTERS_MD:.md=.ipynb)
 
-.PHONY: mutants device-check pin check-pin venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
+.PHONY: mutants device-check device-bundle pin check-pin venv floors-deps data data-apt data-tfds book nbval-book labs book-selfcheck book-static test unit nbval check-notebooks sync clean floors chromium browser-check lint-workflows dist colab-stack
 
 venv: $(STAMP)
 
@@ -220,7 +220,21 @@ colab-stack: venv data
 # device machine has no network, so no venv is built: its own python with the checkout on PYTHONPATH.
 DEVICE ?= gpu-h100
 device-check:
-	PYTHONPATH=. $(or $(wildcard $(PY)),python3) .ci/device_check.py --out mini_moe/results/device-check-$(DEVICE).json
+	PYTHONPATH=.:$(DEVICE_SITE) $(or $(wildcard $(PY)),python3) .ci/device_check.py --out mini_moe/results/device-check-$(DEVICE).json
+
+# What the device machine lacks, prepared here (it has no network; CONTRIBUTING.md, "On a lent
+# accelerator"): nbval and ipykernel for its Python 3.12 as .device/site.tar.xz (without what its
+# image already holds), and the Fashion-MNIST IDX files in .device/fmnist. .device/ is kept out of git.
+DEVICE_SITE ?= /tmp/site
+device-bundle: venv data
+	rm -rf .device/site && mkdir -p .device/fmnist
+	grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
+	$(PY) -m pip install -q --target .device/site --python-version 3.12 --only-binary=:all: \
+	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 nbval ipykernel
+	cd .device/site && rm -rf jedi* debugpy* pygments* _pytest pytest* py.py pluggy* iniconfig* packaging* psutil* \
+	  coverage* a1_coverage.pth tzdata* attr attrs* dateutil python_dateutil* six* typing_extensions* __pycache__ bin share
+	tar -C .device -cJf .device/site.tar.xz site && rm -rf .device/site
+	cp /usr/share/datasets/fashion-mnist/*.gz .device/fmnist/
 
 # The sdist and the wheel into dist/, as the release workflow builds them: python -m build must
 # print no warning (PYTHONDONTWRITEBYTECODE, set on some machines, only makes distutils say that it
