@@ -89,6 +89,24 @@ def test_install_cell_warns_when_an_accelerator_is_attached_but_jax_sees_only_th
         assert shown == []
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu", "cpu"])
+def test_install_cell_asks_for_full_float32_matmuls_on_an_accelerator(backend, monkeypatch, capsys):
+    """On a GPU or TPU, XLA's default float32 matmul is TF32 or bfloat16 passes, and chapter 1's checks
+    at 1e-5 failed on the H200 (mini_moe/results/device-check-gpu-h200.json): the install cell sets
+    full precision there for the whole page, and leaves the CPU's default alone."""
+    import jax
+
+    before = jax.config.jax_default_matmul_precision
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    monkeypatch.setattr("IPython.display.display", lambda obj: None)
+    try:
+        exec(_install_cell([]), {"__pip_calls": []})
+        assert jax.config.jax_default_matmul_precision == ("highest" if backend != "cpu" else before)
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
+    assert f"on {backend}:" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("accelerator, build", [("GPU", "jax[cuda12]"), ("TPU", "jax[tpu]"), (None, "jax")])
 def test_install_cell_upgrades_an_old_jax_as_the_build_for_the_accelerator_and_restarts(
         accelerator, build, tmp_path, monkeypatch):
