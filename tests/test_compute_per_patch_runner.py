@@ -279,6 +279,7 @@ def test_the_analysis_matches_a_hand_computation(tmp_path):
     runs = _synthetic(plan.seeds, failed={("adamoe", 313)})
     out.write_text(json.dumps({"runs": runs}))
     analysis = cpp.analyze(plan, out)["analysis"]
+    assert cpp.analysis({"runs": runs}, plan) == analysis  # the file's analysis is the pure function's
     acc = {(r["arm"], r["seed"]): r.get("test_accuracy") for r in runs}
     # contrast 1, adamoe - tc_k2 at 2,000: seed 313 drops out (its adamoe cell failed)
     seeds = [s for s in plan.seeds if s != 313]

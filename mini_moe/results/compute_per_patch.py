@@ -426,42 +426,48 @@ def arm_summary(runs: list[dict], plan: Plan) -> dict:
     return out
 
 
+def analysis(record: dict, plan: Plan, *, stopped: bool = False) -> dict:
+    """The registered contrasts of a results ``record``, on the seeds whose cells of both arms
+    finished: mean paired difference in points, two-sided paired t (df = n - 1), 95 % CI, Holm over
+    all seven. Refuses while a planned seed is incomplete, unless ``stopped`` (the study ended under
+    stop rule 2). Every row says whether an arm in it missed the matched average (``not_matched``)
+    and whether the positive control held (else the contrasts are uninformative); with fewer than 5
+    complete seeds everything is exploratory. A pure function of the record: the chapter
+    re-computes the committed analysis with it."""
+    acc = {(r["arm"], r["seed"]): r["test_accuracy"] for r in record["runs"] if "failed" not in r}
+    recorded = {(r["arm"], r["seed"]) for r in record["runs"]}
+    complete = [s for s in plan.seeds if all((a, s) in recorded for a in ARMS)]
+    if len(complete) < len(plan.seeds) and not stopped:
+        raise SystemExit(f"compute_per_patch analyze: {len(complete)}/{len(plan.seeds)} seeds complete; the "
+                         "contrasts are computed once every planned seed has finished (or with --stopped, stop "
+                         "rule 2).")
+    summary = arm_summary([r for r in record["runs"] if r["seed"] in complete], plan)
+    rows = []
+    for number, a, sa, b, sb, question in contrasts(plan):
+        seeds = [s for s in complete if (a, s) in acc and (b, s) in acc]
+        if not seeds:
+            raise SystemExit(f"compute_per_patch analyze: contrast {number} has no seed with both arms finished.")
+        diffs = [acc[a, s][str(sa)] - acc[b, s][str(sb)] for s in seeds]
+        rows.append({"number": number, "first": [a, sa], "second": [b, sb], "question": question, "seeds": seeds,
+                     "differences": diffs, **study.paired_t(diffs),
+                     "not_matched": sorted({x for x in (a, b) if not summary[x].get("matched", False)})})
+    for row, p in zip(rows, study.holm([1.0 if math.isnan(r["p_value"]) else r["p_value"] for r in rows])):
+        row["p_holm"] = p
+        row["verdict"] = study.verdict(row, unit=" points", scale=100, alpha=ALPHA)
+    control = rows[6]
+    holds = bool(control["p_holm"] < ALPHA and control["difference"] > 0)
+    n = len(complete)
+    return _finite({
+        "complete_seeds": complete, "stopped": stopped, "rows": rows, "arms": summary,
+        "positive_control_holds": holds, "uninformative": not holds, "exploratory": n < 5,
+        "power": (study.paired_power(n, PLANNING_SD, PLANNING_DIFFERENCE, alpha=ALPHA / len(rows))
+                  if n >= 2 else None)})
+
+
 def analyze(plan: Plan, out: pathlib.Path, *, stopped: bool = False) -> dict:
-    """The registered contrasts, on the seeds whose cells of both arms finished: mean paired
-    difference in points, two-sided paired t (df = n - 1), 95 % CI, Holm over all seven. Refuses
-    while a planned seed is incomplete, unless ``stopped`` (the study ended under stop rule 2).
-    Every row says whether an arm in it missed the matched average (``not_matched``) and whether
-    the positive control held (else the contrasts are uninformative); with fewer than 5 complete
-    seeds everything is exploratory."""
+    """:func:`analysis` of the results file ``out``, written into it (``"analysis"``)."""
     def update(rec):
-        acc = {(r["arm"], r["seed"]): r["test_accuracy"] for r in rec["runs"] if "failed" not in r}
-        recorded = {(r["arm"], r["seed"]) for r in rec["runs"]}
-        complete = [s for s in plan.seeds if all((a, s) in recorded for a in ARMS)]
-        if len(complete) < len(plan.seeds) and not stopped:
-            raise SystemExit(f"compute_per_patch analyze: {len(complete)}/{len(plan.seeds)} seeds complete; the "
-                             "contrasts are computed once every planned seed has finished (or with --stopped, stop "
-                             "rule 2).")
-        summary = arm_summary([r for r in rec["runs"] if r["seed"] in complete], plan)
-        rows = []
-        for number, a, sa, b, sb, question in contrasts(plan):
-            seeds = [s for s in complete if (a, s) in acc and (b, s) in acc]
-            if not seeds:
-                raise SystemExit(f"compute_per_patch analyze: contrast {number} has no seed with both arms finished.")
-            diffs = [acc[a, s][str(sa)] - acc[b, s][str(sb)] for s in seeds]
-            rows.append({"number": number, "first": [a, sa], "second": [b, sb], "question": question, "seeds": seeds,
-                         "differences": diffs, **study.paired_t(diffs),
-                         "not_matched": sorted({x for x in (a, b) if not summary[x].get("matched", False)})})
-        for row, p in zip(rows, study.holm([1.0 if math.isnan(r["p_value"]) else r["p_value"] for r in rows])):
-            row["p_holm"] = p
-            row["verdict"] = study.verdict(row, unit=" points", scale=100, alpha=ALPHA)
-        control = rows[6]
-        holds = bool(control["p_holm"] < ALPHA and control["difference"] > 0)
-        n = len(complete)
-        rec["analysis"] = _finite({
-            "complete_seeds": complete, "stopped": stopped, "rows": rows, "arms": summary,
-            "positive_control_holds": holds, "uninformative": not holds, "exploratory": n < 5,
-            "power": (study.paired_power(n, PLANNING_SD, PLANNING_DIFFERENCE, alpha=ALPHA / len(rows))
-                      if n >= 2 else None)})
+        rec["analysis"] = analysis(rec, plan, stopped=stopped)
     return confirm.locked_update(out, update)
 
 
