@@ -155,6 +155,64 @@ JSON.stringify([...document.querySelectorAll('main div.cell_input pre')]
   .map(p => p.textContent.split('\n').reduce((a, b) => (b.length > a.length ? b : a), '').slice(0, 60)))
 """
 
+# What a reader reads (issue 63), in the article at the window's width:
+# - tables left as text: a paragraph, list item or cell output (outside code inputs and tables) whose
+#   visible text holds a Markdown table rule (|---|, or |—| after docutils' smart quotes) or a row of
+#   three or more pipes on one line;
+# - stray values: a cell output that is nothing but a number (0.878, np.float64(0.5), Array(3.7,
+#   dtype=float32)) or a matplotlib object's repr (Text(0.5, 1.0, '...'), [<matplotlib.lines...>]);
+# - wide outputs and figures: an output, image or table that sticks out of the article's column
+#   where no scrolling box of its own holds it, or a text output whose lines are cut at its box.
+READER_JS = r"""
+(() => {
+  const main = document.querySelector('main article') || document.querySelector('article')
+            || document.querySelector('main') || document.body;
+  const visible = e => {
+    const c = e.cloneNode(true);
+    c.querySelectorAll('mjx-container, script, style, button, .copybtn, .cell_input').forEach(x => x.remove());
+    return c.textContent;
+  };
+  const snippet = s => s.replace(/\s+/g, ' ').trim().slice(0, 90);
+  const RULE = /\|\s*:?(?:-{3,}|[\u2014\u2013]+)\s*:?\s*\|/;
+  const ROW = /^[ \t]*\|[^\n|]*\|[^\n|]*\|[^\n]*$/m;
+  const textish = [...main.querySelectorAll('p, li, dd, .cell_output .output, .cell_output pre')]
+    .filter(e => !e.closest('table, .cell_input, pre.literal-block') && !e.querySelector('p, li, .output'));
+  const tables_as_text = [...new Set(textish.filter(e => { const s = visible(e); return RULE.test(s) || ROW.test(s); })
+                                        .map(e => snippet(visible(e))))];
+  const NUMBER = /^(?:(?:np\.)?(?:float|int)\d*\(|Array\(|tensor\()?\s*[-+]?(?:\d[\d_,]*\.?\d*|\.\d+|nan|inf)(?:[eE][-+]?\d+)?\s*(?:,\s*dtype=[\w.]+)?\s*\)?$/;
+  const REPR = /^(?:\[?<matplotlib\.|Text\(-?[\d.]+, -?[\d.]+, |<Figure size |<Axes: |\[<Axes)/;
+  const stray = [...main.querySelectorAll('.cell_output > .output')]
+    .map(e => visible(e).trim()).filter(s => s && (NUMBER.test(s) || REPR.test(s))).map(snippet);
+  const col = main.getBoundingClientRect();
+  const scroller = (e, stop) => {
+    for (let a = e.parentElement; a && a !== stop; a = a.parentElement) {
+      const r = a.getBoundingClientRect();
+      if (/auto|scroll/.test(getComputedStyle(a).overflowX) && r.right <= col.right + 1 && r.left >= col.left - 1)
+        return a;
+    }
+    return null;
+  };
+  const wide = [];
+  for (const e of main.querySelectorAll('.cell_output .output, .cell_output pre, .cell_output img, .cell_output table, '
+                                        + '.cell_output svg, .cell_output iframe, .cell_output div[style], figure img, '
+                                        + 'img, table')) {
+    if (e.closest('mjx-container')) continue;
+    const r = e.getBoundingClientRect();
+    if (!r.width) continue;
+    const out = r.right > col.right + 1 || r.left < col.left - 1;
+    if (out && !scroller(e, main))
+      wide.push(`${e.tagName.toLowerCase()} ${Math.round(r.width)} px in a ${Math.round(col.width)} px column: `
+                + snippet(e.tagName === 'IMG' ? (e.getAttribute('src') || '') : visible(e)));
+  }
+  for (const p of main.querySelectorAll('.cell_output pre'))
+    if (p.scrollWidth > p.clientWidth + 1)
+      wide.push(`a text output cut at its box (${p.scrollWidth} px of text in ${p.clientWidth} px): `
+                + snippet(p.textContent.split('\n').reduce((a, b) => (b.length > a.length ? b : a), '')));
+  const tables = [...main.querySelectorAll('table')].filter(e => !e.closest('.highlight, .cell_input')).length;
+  return JSON.stringify({tables_as_text, stray, wide: [...new Set(wide)], tables});
+})()
+"""
+
 # Waits until MathJax finished typesetting (if it loaded at all) and images and fonts are in.
 SETTLE_JS = r"""
 (async () => {
@@ -173,6 +231,59 @@ SETTLE_JS = r"""
   return state;
 })()
 """
+
+
+# A pipe table's delimiter row (|---|:---:|, two columns or more) and the line above it (its header).
+TABLE_RULE = re.compile(r"^[ \t]*\|?[ \t]*:?-+:?[ \t]*(\|[ \t]*:?-+:?[ \t]*)+\|?[ \t]*$")
+FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1[ \t]*$", re.S | re.M)
+TABLE_DIRECTIVE = re.compile(r"^[ \t]*(`{3,}|:{3,})\{(list-table|csv-table)\}", re.M)
+
+
+def markdown_tables(text: str) -> int:
+    """Pipe tables (a delimiter row under a row with a pipe) and list/CSV-table directives in MyST
+    Markdown ``text``, outside fenced code."""
+    count = len(TABLE_DIRECTIVE.findall(text))
+    text = FENCE.sub("", text)
+    lines = text.splitlines()
+    return count + sum(1 for i, line in enumerate(lines)
+                       if i and "|" in lines[i - 1] and TABLE_RULE.match(line))
+
+
+def executed_notebook(html: Path, page: str) -> Path | None:
+    """The executed notebook that ``page`` was built from: nbval's recording (`make nbval-book`,
+    _build/nbval) or the build's own execution (`make book`, _build/jupyter_execute), whichever
+    holds outputs; None for a page built from no notebook."""
+    import nbformat
+
+    for folder in ("nbval", "jupyter_execute"):
+        path = html.parent / folder / page.replace(".html", ".ipynb")
+        if path.exists() and any(c.get("outputs") for c in nbformat.read(path, as_version=4).cells
+                                 if c.cell_type == "code"):
+            return path
+    return None
+
+
+def displayed_tables(notebook: Path) -> int:
+    """The tables a reader must see for this notebook: pipe tables in its Markdown cells and in the
+    Markdown its cells display, and HTML tables its cells display; cells tagged remove-cell or
+    remove-output (and glue records, which a cell does not show) do not count."""
+    import nbformat
+
+    count = 0
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        tags = set(cell.get("metadata", {}).get("tags", []))
+        if "remove-cell" in tags:
+            continue
+        if cell.cell_type == "markdown":
+            count += markdown_tables(cell.source)
+        elif cell.cell_type == "code" and "remove-output" not in tags:
+            for output in cell.get("outputs", []):
+                data = output.get("data", {})
+                if "text/html" in data:
+                    count += len(re.findall(r"<table\b", "".join(data["text/html"]), re.I))
+                elif "text/markdown" in data:
+                    count += markdown_tables("".join(data["text/markdown"]))
+    return count
 
 
 class Browser:
@@ -322,6 +433,8 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
                            and e["params"]["requestId"] in failed_ids
                            and e["params"]["request"]["url"].startswith("file:")})
     m["external"], m["failed_files"] = external, failed_files
+    reader = json.loads(browser.evaluate(READER_JS))
+    m["tables"] = reader["tables"]
     clipped, wide_code = {}, {}
     for width in (browser.width, PHONE_WIDTH):
         browser.resize(width, browser.height)
@@ -357,6 +470,20 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
         if eqs:
             problems.append(f"{len(eqs)} display equation(s) cut off in a {width} px wide window "
                             f"(no scrolling reaches the rest), e.g. {eqs[0]!r}")
+    if reader["tables_as_text"]:
+        problems.append(f"{len(reader['tables_as_text'])} Markdown table(s) left as text, e.g. "
+                        f"{reader['tables_as_text'][0]!r}")
+    if reader["stray"]:
+        problems.append(f"{len(reader['stray'])} output(s) that are a lone value the page never explains "
+                        f"(a cell's last expression?), e.g. {reader['stray'][0]!r}")
+    if reader["wide"]:
+        problems.append(f"{len(reader['wide'])} output(s) or figure(s) wider than the column: {reader['wide'][0]}")
+    notebook = executed_notebook(html, page)
+    if notebook is not None:
+        m["tables_expected"] = displayed_tables(notebook)
+        if reader["tables"] < m["tables_expected"]:
+            problems.append(f"{reader['tables']} <table> element(s) on the page, but its source displays "
+                            f"{m['tables_expected']} table(s) ({notebook.relative_to(html.parent.parent)})")
     for width, lines in wide_code.items():
         if lines:
             problems.append(f"{len(lines)} code cell(s) wider than the column in a {width} px wide window, "
@@ -547,7 +674,9 @@ def main(argv=None) -> int:
             print(f"  {page}: {m['mjx']} equation(s) rendered by MathJax {m['mathjax']} "
                   f"({m['mjx_display']} display, {m['output_math']} from cell outputs) "
                   f"of {m['math_elements']} math element(s); "
-                  f"{sum(i['ok'] for i in m['imgs'])}/{len(m['imgs'])} image(s) loaded, {figs} figure(s)")
+                  f"{sum(i['ok'] for i in m['imgs'])}/{len(m['imgs'])} image(s) loaded, {figs} figure(s); "
+                  f"{m['tables']} table(s)" + (f" ({m['tables_expected']} displayed by its source)"
+                                                if "tables_expected" in m else ""))
             if m["external"]:
                 print(f"    blocked external request(s): {', '.join(m['external'][:5])}")
             if page in chapters and m["mjx"] == 0:  # a chapter without any equation typeset
