@@ -193,9 +193,10 @@ chromium:
 
 # Opens the built book (_build/html, from `make book` or `make nbval-book`) in headless Chromium
 # without network: the introduction, every chapter page and the back matter, equations typeset,
-# figures loaded.
+# figures loaded, every table a table, no stray value, nothing wider than the column; a full-page
+# screenshot of every page goes to _build/screenshots (CI keeps them as an artifact, tests.yml).
 browser-check: venv data chromium
-	$(PY) .ci/browser_check.py --html _build/html
+	$(PY) .ci/browser_check.py --html _build/html --screenshots _build/screenshots
 
 # CI checks itself: throw-away books in temporary copies of the repository go through nbval-book.
 # A good one (with a probe page of LaTeX cell outputs) must build and pass the browser check; one

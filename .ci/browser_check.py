@@ -96,6 +96,21 @@ PROBE_PAGE = textwrap.dedent(r'''
     ```
 
     A glued LaTeX output inline: {glue:}`probe_glued`, and a reference to {eq}`probe-softmax`.
+
+    A table in the prose:
+
+    | router | picks |
+    |---|---|
+    | top-k | $k$ |
+
+    ```{code-cell} ipython3
+    from IPython.display import Markdown
+
+    display(Markdown("A table a cell displays, with math and an em dash:\n\n"
+                     "| router | $c = 1$ | share |\n|---|---|---|\n| top-k | 0.50 | 10 % |\n| EC | 0.75 | — |"))
+    print("a long trace wraps inside its box: "
+          + " ".join(f"step {i:4d} lambda={0.1 * i:.4f} sparsity={0.5:.3f};" for i in range(12)))
+    ```
 ''').lstrip()
 
 # Runs in the page: the measurements, returned as JSON.
@@ -383,16 +398,26 @@ class Browser:
         while not any(e.get("method") == "Page.loadEventFired" for e in self.events):
             self.events.append(self._read(deadline))
 
-    def screenshot(self, path: Path, max_height: int = 16000) -> None:
+    def screenshot(self, path: Path, max_height: int = 12000) -> list[Path]:
         """The whole page, taken with a window as tall as the page (captureBeyondViewport
-        shifts this theme's layout sideways)."""
+        shifts this theme's layout sideways); a page taller than ``max_height`` comes in parts
+        ``path-1.png``, ``path-2.png``, ... (Chromium draws at most about 16,000 px at once). The
+        files written."""
         import base64
         height = int(self.call("Page.getLayoutMetrics")["cssContentSize"]["height"])
+        parts = -(-height // max_height)
         self.resize(self.width, min(height, max_height))
         self.evaluate("new Promise(r => setTimeout(r, 300))")
-        data = self.call("Page.captureScreenshot", {"format": "png"})["data"]
+        written = []
+        for part in range(parts):
+            self.evaluate(f"window.scrollTo(0, {part * max_height}); new Promise(r => setTimeout(r, 200))")
+            data = self.call("Page.captureScreenshot", {"format": "png"})["data"]
+            target = path if parts == 1 else path.with_name(f"{path.stem}-{part + 1}{path.suffix}")
+            target.write_bytes(base64.b64decode(data))
+            written.append(target)
+        self.evaluate("window.scrollTo(0, 0)")
         self.resize(self.width, self.height)
-        path.write_bytes(base64.b64decode(data))
+        return written
 
     def close(self) -> None:
         try:
@@ -643,7 +668,8 @@ def main(argv=None) -> int:
                         "(book/NN_topic.html) must show an equation and a figure")
     parser.add_argument("--html", type=Path, default=ROOT / "_build" / "html",
                         help="a built book (default: _build/html, from `make book` or `make nbval-book`)")
-    parser.add_argument("--screenshots", type=Path, help="save a full-page PNG of each page here")
+    parser.add_argument("--screenshots", type=Path, help="save a full-page PNG of each page here (a long page in "
+                        "parts, NAME-1.png, NAME-2.png, ...)")
     args = parser.parse_args(argv)
 
     html = args.html

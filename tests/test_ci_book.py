@@ -55,7 +55,7 @@ def test_make_test_builds_the_whole_book_with_the_command_of_make_book():
         "nbval_record.py cache _build/nbval _build/.jupyter_cache --expect",
         "jupyter-book build",                                   # the whole book from those executions
         "nbval_record.py verify",                               # ... executing none of them again
-        "browser_check.py --html _build/html",                  # opened in Chromium
+        "browser_check.py --html _build/html --screenshots _build/screenshots",  # opened in Chromium
         "book_selfcheck.py")]                                   # and CI's check of itself
     assert order == sorted(order), order
     chapters = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("book/[0-9][0-9]_*.ipynb"))
