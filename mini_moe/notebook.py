@@ -37,8 +37,11 @@ def _plain(value):
     )
 
 
-def glue(name: str, value, *, fmt: str | None = None):
-    """Make ``value`` available to the chapter's prose as ``{glue:text}`name```; returns it.
+def glue(name: str, value, *, fmt: str | None = None) -> None:
+    """Make ``value`` available to the chapter's prose as ``{glue:text}`name```.
+
+    It returns nothing, so that a cell ending in a ``glue`` call shows no stray value under it
+    (until 0.5 it returned the value, which the book printed as a bare number, issue 63).
 
     Args:
       name: the key the Markdown refers to (unique within the book; chapters prefix it, e.g.
@@ -57,7 +60,6 @@ def glue(name: str, value, *, fmt: str | None = None):
         print(f"[{name}] {shown}")
     else:
         myst_glue(name, plain, display=False)
-    return plain
 
 
 def listing(items, *, none: str = "none") -> str:

@@ -120,3 +120,63 @@ def test_the_browser_check_holds_chapters_not_the_course_kit_to_the_equation_and
     kit = browser_check.course_kit(ci_scripts.CI.parent / "_toc.yml")
     assert kit == {"book/14_labs.html", "book/15_teaching.html"}
     assert browser_check.course_kit(ci_scripts.CI.parent / "no_such_toc.yml") == set()
+
+
+def test_the_browser_check_counts_the_tables_a_chapter_displays(tmp_path):
+    """The <table> count a page must reach (issue 63): pipe tables in Markdown cells and in the
+    Markdown that cells display, and HTML tables; not tables in fenced code, in removed outputs or
+    in glue records."""
+    browser_check = ci_scripts.load("browser_check")
+    table = "| a | b |\n|---|:--:|\n| 1 | 2 |"
+    assert browser_check.markdown_tables(table) == 1
+    assert browser_check.markdown_tables("text\n\n" + table + "\n\n" + table.replace("a", "c")) == 2
+    assert browser_check.markdown_tables("```text\n" + table + "\n```") == 0  # code, not a table
+    assert browser_check.markdown_tables("a | b\n---|---\n1 | 2") == 1       # GFM allows outer pipes out
+    assert browser_check.markdown_tables("---\ntitle: front matter\n---") == 0
+    assert browser_check.markdown_tables("```{list-table}\n* - a\n```") == 1
+
+    def shown(mime, text, **metadata):
+        return nbformat.v4.new_output("display_data", data={mime: text}, metadata=metadata)
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# T\n\n" + table),
+        nbformat.v4.new_markdown_cell(table, metadata={"tags": ["remove-cell"]}),
+        nbformat.v4.new_code_cell("show()", outputs=[shown("text/markdown", "Caption.\n\n" + table),
+                                                     shown("text/html", "<TABLE><tr><td>1</td></tr></table>")]),
+        nbformat.v4.new_code_cell("show()", outputs=[shown("text/markdown", table)],
+                                  metadata={"tags": ["remove-output"]}),
+        nbformat.v4.new_code_cell("glue()", outputs=[shown("application/papermill.record/text/markdown", table)]),
+        nbformat.v4.new_code_cell("print()", outputs=[nbformat.v4.new_output("stream", text=table)]),
+    ])
+    path = tmp_path / "nb.ipynb"
+    nbformat.write(nb, path)
+    assert browser_check.displayed_tables(path) == 3
+
+
+def test_the_recorded_book_hides_the_value_of_a_cell_ending_in_a_semicolon(tmp_path):
+    """nbval runs cells with store_history=False, so IPython's `;` rule looked at the wrong cell and
+    CI's book printed ``Text(0.5, 1.0, '...')`` under plots; the recorder applies the rule itself."""
+    record = ci_scripts.load("nbval_record")
+    assert record.quiet('ax.set_title("t");') and record.quiet("f();  # a comment\n")
+    assert not record.quiet("x = 1\nx") and not record.quiet("s = 'a;'\ns")
+    nb = _notebook()
+    nb.cells[1].source = "ax.set_title('t');"
+    value = nbformat.v4.new_output("execute_result", data={"text/plain": "Text(0.5, 1.0, 't')"})
+    printed = nbformat.v4.new_output("stream", text="shown\n")
+    out = record.write_executed(nb, {0: [value, printed], 1: [value]}, tmp_path / "book" / "c.ipynb",
+                                tmp_path / "out", tmp_path)
+    cells = [c for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"]
+    assert [o.output_type for o in cells[0].outputs] == ["stream"]   # the value hidden, the print kept
+    assert [o.output_type for o in cells[1].outputs] == ["execute_result"]
+
+
+def test_the_readme_layout_lists_every_module():
+    """The README's Layout names every module of the library (issue 63 §4)."""
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    layout = layout[:layout.index("\n## ", 4)]
+    modules = [p for p in (ROOT / "mini_moe").glob("*.py")] + [(ROOT / "mini_moe" / "explorer.js")] + [
+        p for p in (ROOT / "mini_moe" / "routers").glob("*.py") if p.name != "__init__.py"]
+    missing = sorted(p.relative_to(ROOT).as_posix() for p in modules
+                     if not re.search(rf"^\s+{re.escape(p.name)}\s", layout, re.M))
+    assert not missing, f"README.md's Layout does not list {missing}"

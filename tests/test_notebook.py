@@ -11,13 +11,27 @@ import pytest
 from mini_moe.notebook import glue, listing
 
 
-def test_glue_turns_array_scalars_into_python_numbers_the_role_can_format():
-    assert type(glue("a", np.float32(0.25))) is float and glue("a", np.float32(0.25)) == 0.25
-    assert type(glue("b", jnp.array(3))) is int and glue("b", jnp.array(3)) == 3
-    assert glue("c", "tokens 4 and 5") == "tokens 4 and 5"
-    assert glue("d", np.bool_(True)) is True
+@pytest.fixture
+def glued(monkeypatch):
+    """What glue hands myst-nb: {name: value}."""
+    import myst_nb
+
+    values = {}
+    monkeypatch.setattr(myst_nb, "glue", lambda name, value, display=True: values.update({name: value}))
+    return values
+
+
+def test_glue_turns_array_scalars_into_python_numbers_the_role_can_format(glued):
+    assert glue("a", np.float32(0.25)) is None  # nothing for a cell to print under itself
+    assert type(glued["a"]) is float and glued["a"] == 0.25
+    glue("b", jnp.array(3))
+    glue("c", "tokens 4 and 5")
+    glue("d", np.bool_(True))
+    glue("e", np.float64(0.0712))
+    assert type(glued["b"]) is int and glued["b"] == 3
+    assert glued["c"] == "tokens 4 and 5" and glued["d"] is True
     # myst-nb formats text/plain with format(); a Python float's repr round-trips through it
-    assert format(glue("e", np.float64(0.0712)), ".1%") == "7.1%"
+    assert format(glued["e"], ".1%") == "7.1%"
 
 
 def test_glue_refuses_what_the_prose_cannot_show():
@@ -29,7 +43,7 @@ def test_glue_refuses_what_the_prose_cannot_show():
 
 def test_glue_prints_the_value_where_myst_nb_is_missing(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "myst_nb", None)  # import fails, as on Colab
-    assert glue("ch00_rate", 0.0712, fmt=".1%") == 0.0712
+    assert glue("ch00_rate", 0.0712, fmt=".1%") is None
     assert capsys.readouterr().out.strip() == "[ch00_rate] 7.1%"
 
 
