@@ -43,13 +43,14 @@ class NullGates(Affinity):
       pooled, which asks for ``Z / (E + Z)`` of the picks to go to null experts. With k picks,
       a token then uses ``k E / (E + Z)`` real experts on average, more for some tokens and
       fewer for others.
-    * ``"controller"`` (LongCat-Flash, arXiv 2509.01322, Sec. 2.1): no auxiliary loss; the real
-      experts' bias (:class:`RealBias`) moves after every training call by
+    * ``"controller"`` (LongCat-Flash, arXiv 2509.01322, Sec. 2.1): the real experts' bias (:class:`RealBias`) moves after every training call by
       ``b_i += bias_rate * (K_e / (k E) - T_i / (k T))`` (T_i the picks of real expert i among
       the call's T tokens), and the null experts' bias stays 0. At the fixed point every real
       expert gets ``K_e / E`` picks per token, so a token uses ``K_e = target_real`` real experts
       on average. This is the proportional term of the paper's PID controller; the integral and
-      derivative terms are not given in the paper and are not implemented.
+      derivative terms are not given in the paper and are not implemented. LongCat-Flash also
+      adds a device-level load-balancing loss across expert-parallel devices (the null experts
+      one more group); with one device here it is left out, so this is the controller alone.
     * ``"none"``: neither (shows what the router does unchecked).
 
     Combine weights: the probabilities of the picks, not renormalised (V-MoE's convention: a token
@@ -153,7 +154,8 @@ def longcat(dim, num_experts, *, null_experts=4, k=2, target_real=1.0, bias_rate
             batch_priority=False, renormalize=False, deterministic=False, rngs: nnx.Rngs) -> Router:
     """LongCat-Flash's zero-computation experts (arXiv 2509.01322): top-k over E real and
     ``null_experts`` null experts, with a bias controller that drives the real experts per token
-    to ``target_real`` (:class:`NullGates` with ``balance="controller"``); no auxiliary loss."""
+    to ``target_real`` (:class:`NullGates` with ``balance="controller"``). The paper's
+    device-level balance loss is left out (one device): this is its controller alone."""
     affinity = NullGates(dim, num_experts, null_experts=null_experts, balance="controller", target_real=target_real,
                          bias_rate=bias_rate, renormalize=renormalize, deterministic=deterministic, rngs=rngs)
     affinity.check(k)
