@@ -82,9 +82,11 @@ def test_dropless_is_refused_where_it_would_stay_batch_dependent(digits):
     with pytest.raises(InputError, match="mode must be one of"):
         with inference.batch_invariant(model, "sorted"):
             pass
-    remoe = _model("remoe", model_moe_path="dropless")
+    # ReMoE's opt-in pick bound is decided over the whole call; its default (no bound) keeps every pick
+    remoe = _model("remoe", model_moe_path="dropless", model_router_kwargs={"active_bound": 2.0})
     ok, why = inference.invariance(remoe)
     assert not ok and "pick bound" in why
+    assert inference.invariance(_model("remoe", model_moe_path="dropless"))[0]
 
 
 def test_soft_moe_is_batch_invariant_as_trained(digits):

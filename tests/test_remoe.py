@@ -249,9 +249,10 @@ def test_a_bound_on_the_picks_keeps_relu_routing_sparse_and_drops_the_smallest_g
 
 
 def test_remoes_dropless_layer_is_bounded_by_active_bound_and_reports_its_overflow():
-    """The ``remoe`` router's ``active_bound`` (default 2) becomes the dropless layer's static
-    bound, ``ceil(active_bound * k * tokens)`` picks per call; the layer's ``overflow`` metric is
-    the share of picks made beyond it. With None, every pair is kept and nothing is reported."""
+    """The ``remoe`` router's ``active_bound`` (opt-in; default None) becomes the dropless layer's
+    static bound, ``ceil(active_bound * k * tokens)`` picks per call; the layer's ``overflow``
+    metric is the share of picks made beyond it. With None, every pair is kept and nothing is
+    reported."""
     from mini_moe import layer
 
     x = jax.random.normal(jax.random.key(4), (2, T, D))
@@ -268,6 +269,39 @@ def test_remoes_dropless_layer_is_bounded_by_active_bound_and_reports_its_overfl
     y_all, out_all = make(None)(x)
     np.testing.assert_allclose(y_all, layer.moe_sorted(x, scores, experts, k=E, min_score=0.0), rtol=1e-5, atol=1e-6)
     assert "overflow" not in out_all.metrics
-    assert routers.make_router("remoe", D, E, rngs=nnx.Rngs(0)).allocation.max_picks(100) == 200  # the default, 2 k
+    assert routers.make_router("remoe", D, E, rngs=nnx.Rngs(0)).allocation.max_picks(100) is None  # the default
+    assert routers.make_router("remoe", D, E, active_bound=2.0, rngs=nnx.Rngs(0)).allocation.max_picks(100) == 200
     with pytest.raises(ValueError, match="active_bound must be > 0"):
         _router(active_bound=0.0)
+
+
+def test_remoes_default_keeps_every_positive_gate_and_does_not_depend_on_the_other_tokens():
+    """Review F1 of 2026-11-28: by default (``active_bound=None``, ReMoE's paper and reference code)
+    the dropless layer keeps every positive gate, even when the gates are nearly dense as in ReMoE's
+    first steps: its output equals the computation with all E picks per token (the zero gates add
+    nothing), it reports no overflow, and a group's output is the same whatever other group shares
+    the call. The opt-in bound, on the same dense gates, drops picks and makes the output depend on
+    the companion group."""
+    from mini_moe import layer
+
+    x = jax.random.normal(jax.random.key(11), (1, T, D))
+    small = 0.1 * jax.random.normal(jax.random.key(12), (1, T, D))
+    big = 3.0 * jax.random.normal(jax.random.key(13), (1, T, D))
+    experts = MlpExperts(E, D, 8, rngs=nnx.Rngs(1), kernel="blocked")
+    default = MoeLayer(_router(k=1, deterministic=True), experts, path="dropless")
+    both = jnp.concatenate([x, big])
+    scores = default.router(both).affinities.scores
+    made = int(jnp.sum(scores > 0))
+    assert made > 1.5 * (2 * T)  # dense: well above the k = 1 target of one pick per token
+    y, out = default(both)
+    assert "overflow" not in out.metrics
+    every = layer.moe_sorted(both, scores, experts, k=E)  # all E pairs of every token, zero gates included
+    np.testing.assert_allclose(y, every, rtol=1e-5, atol=1e-6)
+    alone, _ = default(jnp.concatenate([x, small]))
+    np.testing.assert_allclose(alone[0], y[0], rtol=1e-5, atol=1e-6)  # the companion group does not matter
+    # an opt-in bound of k picks per token on the same gates: picks dropped, and the output of x moves
+    bounded = MoeLayer(_router(k=1, deterministic=True, active_bound=1.0), experts, path="dropless")
+    y_big, out_big = bounded(both)
+    y_small, _ = bounded(jnp.concatenate([x, small]))
+    assert float(out_big.metrics["overflow"]) == pytest.approx((made - 2 * T) / made)
+    assert float(jnp.max(jnp.abs(y_big[0] - y_small[0]))) > 1e-3

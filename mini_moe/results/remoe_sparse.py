@@ -6,8 +6,13 @@ layer before this issue). Blocked kernel, float32, on this machine's CPU.
 
 The gates are ``relu(z - q)`` for Gaussian ``z`` and ``q`` the quantile that leaves k / E of them
 positive, so every call makes about k picks per token, as ReMoE's controller holds them after its
-first steps. The bound is ReMoE's default, ``active_bound = 2`` (2 k picks per token on average
-over a call).
+first steps. The bound is ``active_bound = 2`` (2 k picks per token on average over a call), the
+library's default when this file was measured (2026-11-27); since review F1 of 2026-11-28 the
+bound is opt-in (``remoe(active_bound=2.0)``) and the default, None, keeps every positive gate.
+With gates that make about k picks per token the bound never binds here: the file measures its
+cost, not the picks it drops (chapter 13 measures those at initialisation). The file was
+measured while other jobs (helpers' unit tests) ran on the machine's other core: its time
+ratios are medians of 3 rounds under that load, its memory figures are XLA's plan and exact.
 
 Usage::
 
@@ -31,8 +36,9 @@ from mini_moe.layer import MlpExperts, moe_sorted
 
 MACHINE = os.environ.get("MACHINE", "cpu-2core-epyc")
 OUT = pathlib.Path(__file__).resolve().parent / f"remoe_sparse-{MACHINE}.json"
-#: (name, tokens N in one call, D, H, E): chapter 13's quick layer (8 groups of 16 images x 16
-#: patches = 2,048 tokens, width 64, E = 8) and a B/32-like one (8 x 392 tokens, D = 768, E = 32).
+#: (name, tokens N in one call, D, H, E): chapter 13's quick layer (a batch of 128 images in 16
+#: routing groups of 8 images x 16 patches = 2,048 tokens, width 64, E = 8) and a B/32-like one
+#: (8 x 392 tokens, D = 768, E = 32).
 SHAPES = (("quick", 2048, 64, 64, 8), ("b32", 3136, 768, 3072, 32))
 KS = (1, 2)
 BOUND = 2.0

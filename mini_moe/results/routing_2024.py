@@ -104,7 +104,9 @@ ARMS_V2 = {
     "fine": ARMS["fine"],
     "fine_shared": ARMS["fine_shared"],
     "dropless": ARMS["dropless"],
-    "remoe": ("remoe", {"model_moe_path": "dropless"}, {"k": 1}),
+    # every positive gate kept, as the registered runs did (they predate the pick bound, which is
+    # opt-in since review F1 of 2026-11-28; pinned so that a change of default cannot change the arm)
+    "remoe": ("remoe", {"model_moe_path": "dropless"}, {"k": 1, "active_bound": None}),
 }
 #: v2's family, declared before its first run: (a, b) tests mean(a - b) over paired seeds,
 #: two-sided paired t, Holm over all nine at 0.05.

@@ -57,7 +57,7 @@ def group_limited(dim, num_experts, *, k=2, capacity_factor=None, batch_priority
 
 @register("remoe", allocation="token")
 def remoe(dim, num_experts, *, k=1, capacity_factor=None, l1_init=1e-8, l1_rate=1.2, l1_scope="model",
-          active_bound=2.0, deterministic=False, rngs: nnx.Rngs) -> Router:
+          active_bound=None, deterministic=False, rngs: nnx.Rngs) -> Router:
     """ReMoE (Wang et al. 2024, arXiv 2412.14711): ReLU gates with an adaptive, load-balanced
     L1 penalty that holds k active experts per token on average (:class:`ReluGates`); every
     positive gate is a pick (:class:`TokenChoice` with k = E, ``min_score = 0``). The number of
@@ -67,13 +67,18 @@ def remoe(dim, num_experts, *, k=1, capacity_factor=None, l1_init=1e-8, l1_rate=
     gives the auxiliary losses. ``l1_scope``: one lambda for the model (``"model"``, ReMoE's
     reference, moved by :class:`mini_moe.model.VisionMoE`) or one per layer (``"layer"``).
 
-    ``active_bound``: on the dropless path at most ``active_bound * k`` picks per token on average
-    over a call are sorted, stored and computed (None: all ``E`` pairs of every token). The
-    controller holds the average at k, so the default 2 leaves room for twice that; beyond it the
-    smallest positive gates are dropped and the layer's ``overflow`` metric says how many. ReMoE's
-    first steps, before lambda has grown (it starts at ``l1_init``), are nearly dense, and that is
-    where the bound drops picks. ``mini_moe/results/remoe_sparse.py`` measures time and memory
-    against dropless top-k."""
+    ``active_bound``: None (the default, as in ReMoE's paper and reference code, which route every
+    token to every expert whose gate is positive): the dropless path keeps every positive gate,
+    and a token's output does not depend on the other tokens of the call; it sorts and stores all
+    ``T E`` (token, expert) pairs of a call and computes the positive ones. A number opts in to a
+    memory cap: at most ``active_bound * k`` picks per token on average over a call are sorted,
+    stored and computed, the ones of largest gate over the whole call; the rest are dropped and
+    the layer's ``overflow`` metric says how many. That changes ReMoE: its first steps, before
+    lambda has grown (it starts at ``l1_init``), are nearly dense, and there a bound of 2 drops
+    many picks, some tokens lose every pick to other tokens' larger gates, and a token's output
+    depends on which tokens share its call (chapter 13 measures this at initialisation).
+    ``mini_moe/results/remoe_sparse.py`` measures time and memory against dropless top-k.
+    """
     affinity = ReluGates(dim, num_experts, target_k=k, l1_init=l1_init, l1_rate=l1_rate, l1_scope=l1_scope,
                          deterministic=deterministic, rngs=rngs)
     if active_bound is not None and not active_bound > 0:
