@@ -24,6 +24,13 @@ so the upcycled layer equals the dense MLP exactly where every token's combine w
 is dropped. Softmax Token Choice at k < E scales each token by its gates' sum (< 1), Expert
 Choice at C < T drops some tokens and gives others several experts, and Soft MoE's slots mix
 tokens before the (non-linear) experts: there the upcycled model starts away from the dense one.
+
+Komatsuzaki et al.'s vision recipe (Sec. 2.2, "normalize weights after routing", vision only)
+divides every token's combine weights by their sum, so that s_t = 1 for each token that reached
+an expert and only tokens that reached none keep s_t = 0. ``upcycle(..., renormalize=True)`` does
+that (:func:`renormalize_combine`, :class:`RenormalisedTokenChoice`,
+:class:`RenormalisedExpertChoice`): with it Softmax Token Choice with nothing dropped computes the
+dense model's function exactly, and Expert Choice computes it for every token some expert took.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mini_moe import routers as routers_lib
+from mini_moe import routing as routing_lib
 from mini_moe.model import ModelConfig, VisionMoE
 from mini_moe.train import model_rngs
 from mini_moe.validate import InputError, check_int
@@ -102,6 +110,53 @@ def drop_reinit(experts: dict, dense: dict, ratio: float, key) -> dict:
     return reinit_units(experts, dense, chosen, noise)
 
 
+def renormalize_combine(rt: routing_lib.Routing) -> routing_lib.Routing:
+    """Every token's combine weights divided by their sum ``s_t = sum_{e, c} C[t, e, c]``, so that
+    they sum to 1 wherever ``s_t > 0``; a token no slot holds keeps weights 0 (Komatsuzaki et al.
+    2023, Sec. 2.2, vision only). The dispatch is unchanged; the compact form of a sparse routing
+    (``slot_weight``) is rescaled the same way."""
+    total = rt.combine.sum((-2, -1))  # [..., T]
+    inverse = jnp.where(total > 0, 1 / jnp.where(total > 0, total, 1), 0)
+    combine = rt.combine * inverse[..., None, None].astype(rt.combine.dtype)
+    if rt.slot_token is None:
+        return routing_lib.Routing(rt.dispatch, combine, sparse=rt.sparse)
+    padded = jnp.concatenate([inverse, jnp.zeros(inverse.shape[:-1] + (1,), inverse.dtype)], -1)  # token T: empty
+    lead = rt.slot_token.shape[:-2]
+    scale = jnp.take_along_axis(padded, rt.slot_token.reshape(lead + (-1,)), -1).reshape(rt.slot_token.shape)
+    return routing_lib.Routing(rt.dispatch, combine, sparse=rt.sparse, slot_token=rt.slot_token,
+                               slot_weight=rt.slot_weight * scale.astype(rt.slot_weight.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class RenormalisedTokenChoice(routers_lib.TokenChoice):
+    """:class:`~mini_moe.routers.TokenChoice` whose routing goes through :func:`renormalize_combine`.
+    At k = 1 every kept token's weight is then 1, so the task sends the router no gradient (only
+    the auxiliary losses train it)."""
+
+    def __call__(self, affinities, budget):
+        return renormalize_combine(super().__call__(affinities, budget))
+
+
+@dataclasses.dataclass(frozen=True)
+class RenormalisedExpertChoice(routers_lib.ExpertChoice):
+    """:class:`~mini_moe.routers.ExpertChoice` whose routing goes through :func:`renormalize_combine`:
+    s_t = 1 for a token one or more experts took, 0 for a token none took. A token that only one
+    expert took gets weight 1 and sends the router no gradient from the task."""
+
+    def __call__(self, affinities, budget):
+        return renormalize_combine(super().__call__(affinities, budget))
+
+
+def _renormalised(allocation):
+    """The renormalised allocation with ``allocation``'s fields, or an InputError."""
+    kinds = {routers_lib.TokenChoice: RenormalisedTokenChoice, routers_lib.ExpertChoice: RenormalisedExpertChoice}
+    kind = kinds.get(type(allocation))
+    if kind is None or getattr(allocation, "null_experts", 0) or getattr(allocation, "min_score", None) is not None:
+        raise InputError(f"renormalize=True needs a Token Choice (no null experts, no min_score) or Expert Choice "
+                         f"router, not {allocation!r}: Soft MoE's combine weights already sum to 1.")
+    return kind(**{f.name: getattr(allocation, f.name) for f in dataclasses.fields(allocation)})
+
+
 def upcycled_config(dense_cfg: ModelConfig, *, router: str, num_experts: int, router_kwargs: dict | None = None,
                     placement: str | None = None, **overrides) -> ModelConfig:
     """The :class:`~mini_moe.model.ModelConfig` of the MoE model upcycled from a dense ViT of
@@ -130,7 +185,7 @@ def upcycled_config(dense_cfg: ModelConfig, *, router: str, num_experts: int, ro
 
 def upcycle(dense_model: VisionMoE, *, router: str = "softmax_token_choice", num_experts: int | None = None,
             drop_ratio: float = 0.0, seed: int = 0, router_kwargs: dict | None = None, placement: str | None = None,
-            **overrides) -> VisionMoE:
+            renormalize: bool = False, **overrides) -> VisionMoE:
     """A :class:`~mini_moe.model.VisionMoE` upcycled from the dense ViT ``dense_model``.
 
     Args:
@@ -147,6 +202,13 @@ def upcycle(dense_model: VisionMoE, *, router: str = "softmax_token_choice", num
       router_kwargs: the router's options (``{"k": 2, "capacity_factor": 2.0}``, ...).
       placement: which blocks' MLPs become MoE layers (``"every2"``, ``"lastN"``); None: the
         router's registered placement (``"every2"``; Soft MoE ``"last2"``).
+      renormalize: Komatsuzaki et al.'s "normalize weights after routing" (Sec. 2.2, their vision
+        recipe): every MoE layer's router divides each token's combine weights by their sum
+        (:func:`renormalize_combine`), so s_t = 1 for every token that reaches an expert. Token
+        Choice or Expert Choice routers only, on the ``"einsum"`` or ``"gather"`` path (``moe_path``
+        ``"auto"`` included; not ``"dropless"``, which combines from the router's scores). It
+        changes the returned model's routers only: it is not part of ``cfg``, so a model rebuilt
+        from its config (``train.load_trained``, ``train.train(init_from=...)``) routes without it.
       **overrides: ``group_images``, ``moe_path`` or ``dtype`` of the MoE model's config.
 
     Returns:
@@ -163,9 +225,14 @@ def upcycle(dense_model: VisionMoE, *, router: str = "softmax_token_choice", num
         raise InputError(f"drop_ratio must be a number in [0, 1] (the share of hidden units re-initialised), "
                          f"got {drop_ratio!r}.")
     check_int("seed", seed, 0)
+    if not isinstance(renormalize, bool):
+        raise InputError(f"renormalize must be True or False, got {renormalize!r}.")
     num_experts = dense_model.cfg.num_experts if num_experts is None else num_experts
     cfg = upcycled_config(dense_model.cfg, router=router, num_experts=num_experts, router_kwargs=router_kwargs,
                           placement=placement, **overrides)
+    if renormalize and cfg.moe_path == "dropless":
+        raise InputError("renormalize=True acts on the routing tensors, which the dropless path does not combine "
+                         "with; use moe_path 'auto', 'einsum' or 'gather'.")
     moe = VisionMoE(cfg, rngs=model_rngs(seed))  # the router fresh from seed; the rest is overwritten
     moe_blocks = cfg.moe_blocks()
     is_moe_mlp = lambda path: path[0] == "blocks" and path[1] in moe_blocks and path[2] == "mlp"
@@ -181,4 +248,7 @@ def upcycle(dense_model: VisionMoE, *, router: str = "softmax_token_choice", num
             tiled = drop_reinit(tiled, dense, drop_ratio, key)
         for name, value in tiled.items():
             getattr(experts, name)[...] = value
+        if renormalize:
+            router = moe.blocks[i].mlp.router
+            router.allocation = _renormalised(router.allocation)
     return moe

@@ -76,18 +76,20 @@ def moe_mlp(path, moe_blocks) -> bool:
 # ------------------------------------------------------------------------ what is copied
 
 
-def test_experts_are_tiled_copies_of_the_dense_mlp(dense):
+@pytest.mark.parametrize("mlp_dim", [32, 16])  # D != H, and D = H (the study's shape: a transpose keeps it)
+def test_experts_are_tiled_copies_of_the_dense_mlp(dense, mlp_dim):
     """vmoe's ExpandTileRule: ``tile(expand_dims(x, 0), (E, 1, ...))``, checked with NumPy."""
-    model = upcycle(dense, router="softmax_token_choice", num_experts=E)
+    source = dense if mlp_dim == DENSE.mlp_dim else trained_like(dataclasses.replace(DENSE, mlp_dim=mlp_dim))
+    model = upcycle(source, router="softmax_token_choice", num_experts=E)
     assert model.cfg.moe_blocks() == (1, 3)
     for i in (1, 3):
-        fc1, fc2, experts = dense.blocks[i].mlp.fc1, dense.blocks[i].mlp.fc2, model.blocks[i].mlp.experts
+        fc1, fc2, experts = source.blocks[i].mlp.fc1, source.blocks[i].mlp.fc2, model.blocks[i].mlp.experts
         expected = dict(w1=np.asarray(fc1.kernel[...]), b1=np.asarray(fc1.bias[...])[None],
                         w2=np.asarray(fc2.kernel[...]), b2=np.asarray(fc2.bias[...])[None])
         for name, w in expected.items():
             got = np.asarray(getattr(experts, name)[...])
             np.testing.assert_array_equal(got, np.tile(np.expand_dims(w, 0), (E, 1, 1)), err_msg=f"block {i} {name}")
-        assert experts.w1.shape == (E, 16, 32) and experts.b1.shape == (E, 1, 32)
+        assert experts.w1.shape == (E, 16, mlp_dim) and experts.b1.shape == (E, 1, mlp_dim)
 
 
 def test_every_other_variable_is_the_dense_models(dense):
@@ -110,17 +112,22 @@ def test_every_other_variable_is_the_dense_models(dense):
                                   before[("blocks", 1, "mlp", "fc1", "kernel")])
 
 
-def test_router_is_initialised_from_seed(dense):
+@pytest.mark.parametrize("router", ["softmax_token_choice", "softmax_expert_choice", "sigmoid_loss_free"])
+def test_router_is_initialised_from_seed(dense, router):
     """Komatsuzaki et al. 2023 initialise the router randomly: here the router of a model made from
-    scratch with the same seed and configuration."""
-    a = upcycle(dense, router="softmax_token_choice", num_experts=E, seed=5)
+    scratch with the same seed and configuration (every variable of it, for three routers)."""
+    a = upcycle(dense, router=router, num_experts=E, seed=5)
     scratch = VisionMoE(a.cfg, rngs=model_rngs(5))
-    b = upcycle(dense, router="softmax_token_choice", num_experts=E, seed=6)
+    b = upcycle(dense, router=router, num_experts=E, seed=6)
     for i in (1, 3):
         w = lambda m: np.asarray(m.blocks[i].mlp.router.affinity.dense.kernel[...])
         np.testing.assert_array_equal(w(a), w(scratch))
         assert not np.allclose(w(a), w(b))
-    for (path, x), (_, y) in zip(flat(a).items(), flat(upcycle(dense, router="softmax_token_choice", num_experts=E,
+    in_router = lambda model: {p: x for p, x in flat(model).items() if moe_mlp(p, (1, 3)) and p[3] == "router"}
+    assert in_router(a).keys() == in_router(scratch).keys() and in_router(a)
+    for path, x in in_router(a).items():
+        np.testing.assert_array_equal(x, in_router(scratch)[path], err_msg=str(path))
+    for (path, x), (_, y) in zip(flat(a).items(), flat(upcycle(dense, router=router, num_experts=E,
                                                                    seed=5)).items()):
         np.testing.assert_array_equal(x, y, err_msg=str(path))  # deterministic in the seed
 
@@ -194,6 +201,64 @@ def test_output_differs_where_the_formulation_forbids_equality(dense, images, ro
     out, ref = forward(model, images), forward(dense, images)
     assert float(jnp.max(jnp.abs(out.features - ref.features))) > MARGIN
     assert float(jnp.max(jnp.abs(out.logits - ref.logits))) > MARGIN
+
+
+# ------------------------------------------- Komatsuzaki et al.'s renormalised combine weights
+
+
+# Nothing dropped: the renormalised model is the dense one, the plain upcycled model is not.
+RENORMALISED_EQUAL = [
+    ("softmax_token_choice", dict(k=1, capacity_factor=float(E)), {}),  # s = p_max < 1 without it
+    ("softmax_token_choice", dict(k=2, capacity_factor=float(E)), dict(moe_path="einsum")),  # s = p1 + p2 < 1
+    ("softmax_expert_choice", dict(capacity_factor=float(E)), {}),  # C = T, s = 1 already: unchanged
+]
+
+
+@pytest.mark.parametrize("router, options, overrides", RENORMALISED_EQUAL)
+def test_renormalised_upcycled_model_is_the_dense_model_where_nothing_is_dropped(dense, images, router, options,
+                                                                                  overrides):
+    """Sec. 2.2 of Komatsuzaki et al. (vision): each token's combine weights renormalised to 1."""
+    ref = forward(dense, images)
+    plain = upcycle(dense, router=router, num_experts=E, router_kwargs=options, **overrides)
+    renormalised = upcycle(dense, router=router, num_experts=E, router_kwargs=options, renormalize=True, **overrides)
+    assert renormalised.cfg == plain.cfg  # the option changes the routers of this model only
+    plain.eval(), renormalised.eval()
+    out, before = forward(renormalised, images), forward(plain, images)
+    for routing in out.routings:
+        np.testing.assert_allclose(routing.combine.sum((-2, -1)), 1.0, atol=1e-6)
+    np.testing.assert_allclose(out.features, ref.features, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(out.logits, ref.logits, atol=ATOL, rtol=0)
+    if router == "softmax_token_choice":  # without the renormalisation the same model is not the dense one
+        assert float(jnp.max(jnp.abs(before.logits - ref.logits))) > MARGIN
+        assert all(float(jnp.max(jnp.abs(r.combine.sum((-2, -1)) - 1))) > MARGIN for r in before.routings)
+
+
+@pytest.mark.parametrize("router, options, path", [
+    ("softmax_expert_choice", dict(capacity_factor=1.0), "gather"),  # the paper's router, C = 1
+    ("softmax_expert_choice", dict(capacity_factor=2.0), "gather"),  # the paper's C = 2
+    ("softmax_expert_choice", dict(capacity_factor=1.0), "einsum"),
+    ("softmax_token_choice", dict(k=1, capacity_factor=1.0), "gather"),  # c = 1: dropped tokens keep 0
+])
+def test_renormalised_layer_is_the_dense_mlp_for_every_token_an_expert_took(dense, router, options, path):
+    """With renormalised weights s_t is 1 for each token some expert took and 0 otherwise, so the
+    layer is ``1[s_t > 0] MLP(x_t)``; without it the same routing gives ``s_t MLP(x_t)``, s_t != 1."""
+    x = jax.random.normal(jax.random.key(2), (8, 16, 16))
+    mlp = layer(dense.blocks[1].mlp, x)
+    for renormalize in (False, True):
+        model = upcycle(dense, router=router, num_experts=E, router_kwargs=options, renormalize=renormalize,
+                        moe_path=path)
+        model.eval()
+        y, out = layer(model.blocks[1].mlp, x)
+        s = out.routing.combine.sum((-2, -1)).reshape(8, 16)
+        np.testing.assert_allclose(y, s[..., None] * mlp, atol=ATOL, rtol=0)
+        taken = np.asarray(s) > 0
+        if renormalize:
+            np.testing.assert_allclose(np.asarray(s)[taken], 1.0, atol=1e-6)
+            assert taken.any()
+            if options["capacity_factor"] == 1.0:  # at c = 1 some tokens reach no expert: they keep 0
+                assert not taken.all()
+        else:
+            assert float(np.max(np.abs(np.asarray(s)[taken] - 1))) > MARGIN
 
 
 # ------------------------------------------------------------------------- Drop-Upcycling
@@ -276,6 +341,24 @@ def test_drop_ratio_zero_copies_and_one_reinitialises_every_unit(skewed):
         assert not np.allclose(w1[0], w1[1])  # each expert its own draw
 
 
+def test_drop_upcycling_draws_follow_the_seed_on_their_own_stream(skewed):
+    """The units and values re-drawn change with ``seed``, are the same for the same seed, and do
+    not depend on the router (they come from ``seed`` folded with ``DROP_STREAM``, not from the
+    model's initialisation, which the router's parameters consume)."""
+    experts = lambda model: [np.asarray(getattr(model.blocks[i].mlp.experts, n)[...])
+                             for i in (1, 3) for n in ("w1", "b1", "w2")]
+    a = experts(upcycle(skewed, num_experts=E, drop_ratio=0.5, seed=3))
+    again = experts(upcycle(skewed, num_experts=E, drop_ratio=0.5, seed=3))
+    other_seed = experts(upcycle(skewed, num_experts=E, drop_ratio=0.5, seed=4))
+    other_router = experts(upcycle(skewed, router="softmax_expert_choice", num_experts=E, drop_ratio=0.5, seed=3))
+    for x, y, z, w in zip(a, again, other_seed, other_router):
+        np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(x, w)
+        assert not np.array_equal(x, z)
+    chosen = lambda seed: _units_changed(upcycle(skewed, num_experts=E, drop_ratio=0.5, seed=seed), skewed, 1)[0]
+    assert not np.array_equal(chosen(3), chosen(4))  # the units chosen, not only the values drawn
+
+
 # ---------------------------------------------------------------------------- bad input
 
 
@@ -299,6 +382,9 @@ def test_bad_input(dense):
         (dict(router_kwargs=[("k", 2)]), "router_kwargs"),
         (dict(seed=-1), "seed"),
         (dict(router="softmax_token_choice", router_kwargs={"k": E + 1}), "k must be"),
+        (dict(renormalize=1), "renormalize"),
+        (dict(router="soft_moe", renormalize=True), "renormalize=True needs"),
+        (dict(router="sigmoid_loss_free", moe_path="dropless", renormalize=True), "dropless"),
     ]
     for kwargs, match in cases:
         model = kwargs.pop("dense_model", dense)

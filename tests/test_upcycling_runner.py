@@ -144,6 +144,9 @@ def test_the_analysis_is_scipys_paired_t_with_holms_correction():
         assert row["number"] == number and row["seeds"] == list(plan.seeds) and row["df"] == len(plan.seeds) - 1
         assert row["difference"] == pytest.approx(np.mean(np.subtract(first, second)), abs=1e-12)
         assert row["p_value"] == pytest.approx(test.pvalue, rel=1e-9)
+        assert row["t"] == pytest.approx(test.statistic, rel=1e-9)
+        ci = test.confidence_interval(0.95)  # the unadjusted 95 % interval the verdicts print
+        assert (row["ci_low"], row["ci_high"]) == pytest.approx((ci.low, ci.high), rel=1e-9, abs=1e-12)
         p_values.append(test.pvalue)
     order = np.argsort(p_values)
     holm = np.minimum(1, np.maximum.accumulate([(len(p_values) - i) * p_values[j] for i, j in enumerate(order)]))
