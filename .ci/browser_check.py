@@ -22,6 +22,11 @@ visible text outside code, no display equation is cut off where scrolling cannot
 1280 px and a 412 px wide window), no code cell input is wider than its box (long lines wrap,
 _static/mini_moe.css), and every ``<img>`` in the article has ``naturalWidth > 0``; a chapter page
 must also show at least one typeset equation and one figure, and a probe page its LaTeX outputs.
+It also reads the page as a reader does (issue 63, :data:`READER_JS`): no Markdown table left as
+text, no output that is a lone value, no output, image or table wider than the article's column
+(text outputs wrap, _static/mini_moe.css), and at least as many ``<table>`` elements as the page's
+source displays (:func:`displayed_tables` of the executed notebook, nbval's or the build's own; for
+a Markdown page, its source).
 The pages of the table of contents' "Course kit" part (the labs, the instructor's page) are
 numbered like chapters but are not held to the equation and figure rule.
 A page with routing explorers (``.mini-moe-explorer``, mini_moe/explorer.js: the explorer page and
@@ -504,11 +509,12 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
     if reader["wide"]:
         problems.append(f"{len(reader['wide'])} output(s) or figure(s) wider than the column: {reader['wide'][0]}")
     notebook = executed_notebook(html, page)
-    if notebook is not None:
-        m["tables_expected"] = displayed_tables(notebook)
+    source = notebook or next((p for p in (html.parent.parent / page.replace(".html", ".md"),) if p.exists()), None)
+    if source is not None:  # a chapter's executed notebook, else a Markdown page's source (the introduction)
+        m["tables_expected"] = displayed_tables(source) if notebook else markdown_tables(source.read_text())
         if reader["tables"] < m["tables_expected"]:
             problems.append(f"{reader['tables']} <table> element(s) on the page, but its source displays "
-                            f"{m['tables_expected']} table(s) ({notebook.relative_to(html.parent.parent)})")
+                            f"{m['tables_expected']} table(s) ({source.relative_to(html.parent.parent)})")
     for width, lines in wide_code.items():
         if lines:
             problems.append(f"{len(lines)} code cell(s) wider than the column in a {width} px wide window, "
