@@ -509,7 +509,8 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
     if reader["wide"]:
         problems.append(f"{len(reader['wide'])} output(s) or figure(s) wider than the column: {reader['wide'][0]}")
     notebook = executed_notebook(html, page)
-    source = notebook or next((p for p in (html.parent.parent / page.replace(".html", ".md"),) if p.exists()), None)
+    markdown = html.parent.parent / page.replace(".html", ".md")
+    source = notebook or (markdown if markdown.exists() else None)
     if source is not None:  # a chapter's executed notebook, else a Markdown page's source (the introduction)
         m["tables_expected"] = displayed_tables(source) if notebook else markdown_tables(source.read_text())
         if reader["tables"] < m["tables_expected"]:
