@@ -153,7 +153,7 @@ def moe_layer_ms(name: str, shape: str = "quick", *, repeats: int = 20, hidden: 
     router, x = _router_and_tokens(name, shape, rng, **router_kwargs)
     _, _, _, dim, shape_hidden, experts = LAYER_SHAPES[shape]
     hidden = hidden or shape_hidden
-    null = router.allocation.null_experts if isinstance(router.allocation, routers_lib.TokenChoice) else 0
+    null = router.allocation.null_experts
     module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng),  # null experts: zero ones
                       null=layer_lib.NullExperts(("zero",) * null, dim, rngs=rng) if null else None)
     return time_fn(_fwd_bwd(_layer_output), module, x, repeats=repeats)

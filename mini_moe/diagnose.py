@@ -31,7 +31,7 @@ import pathlib
 import numpy as np
 from flax import nnx
 
-from mini_moe import evaluate, inference, routers
+from mini_moe import evaluate, modes, routers
 from mini_moe.validate import InputError
 
 #: The default thresholds, ``{metric: (direction, threshold)}``: a "max" metric warns above its
@@ -118,8 +118,13 @@ def _moe_layers(model):
 
 
 def _tokens_per_group(model) -> int:
-    cfg = model.cfg
-    return cfg.num_patches * (1 if routers.per_image(cfg.router) else cfg.group_images)
+    return model.cfg.num_patches * modes.group_images(model)
+
+
+def _fact(affinity, name: str, default):
+    """What ``affinity`` declares about itself (:class:`~mini_moe.routers.Affinity`'s class
+    attributes), or ``default`` for an affinity that does not derive from it."""
+    return getattr(affinity, name, default)
 
 
 def _capacity_limited(model) -> bool:
@@ -127,7 +132,7 @@ def _capacity_limited(model) -> bool:
     allocation whose buffers hold fewer than the group's T tokens, off the dropless path."""
     layer = _moe_layers(model)[0]
     allocation, tokens = layer.router.allocation, _tokens_per_group(model)
-    if isinstance(allocation, routers.SoftRouting) or layer.path == "dropless":
+    if allocation.per_image or layer.path == "dropless":
         return False
     return allocation.budget(tokens, layer.router.num_experts).capacity < tokens  # the router's columns
 
@@ -139,12 +144,12 @@ def family(model) -> str:
     ``"expert c=C"`` or ``"soft"``."""
     layer = _moe_layers(model)[0]
     allocation = layer.router.allocation
-    if isinstance(allocation, routers.TokenChoice):
+    if allocation.name == "token":
         name = f"null k={allocation.k}" if allocation.null_experts else f"token k={allocation.k}"
         if allocation.min_score is not None:  # a number of picks that varies from token to token
-            name = "top-p" if isinstance(layer.router.affinity, routers.TopPGates) else "relu"
+            name = _fact(layer.router.affinity, "pick_rule", None) or "variable"
         return f"{name} dropless" if layer.path == "dropless" else f"{name} c={allocation.capacity_factor:g}"
-    if isinstance(allocation, routers.ExpertChoice):
+    if allocation.name == "expert":
         return f"expert c={allocation.capacity_factor:g}"
     return "soft"
 
@@ -178,22 +183,23 @@ def thresholds(model) -> dict:
     allocation, affinity = layer.router.allocation, layer.router.affinity
     out = dict(THRESHOLDS)
     limited = _capacity_limited(model)
-    relu = isinstance(allocation, routers.TokenChoice) and allocation.min_score is not None
-    if not isinstance(allocation, routers.TokenChoice) or relu:
+    token = allocation.name == "token"
+    relu = token and allocation.min_score is not None
+    if not token or relu:
         del out["load_max_over_mean"]
     if not limited or relu:
         del out["dropped_tokens"]
-    elif isinstance(allocation, routers.ExpertChoice):
+    elif allocation.name == "expert":
         out["dropped_tokens"] = ("max", round(_forced_unpicked(model) + THRESHOLDS["dropped_tokens"][1], 3))
     if relu and limited:
         out["dropped_picks"] = ("max", THRESHOLDS["dropped_tokens"][1])
     if not limited:
         out["batch_dependence"] = ("max", NO_DROP_BATCH_DEPENDENCE)
-    if not isinstance(affinity, (routers.Softmax, routers.NoisySoftmax)):
+    if not _fact(affinity, "softmax_choice", False):
         del out["router_entropy"]
     if "z_loss" not in _options(model):  # the metric exists where the fix does
         del out["router_logit_lse_sq"]
-    if not isinstance(allocation, routers.SoftRouting):
+    if not allocation.per_image:
         del out["slot_sharpness"]
     return out
 
@@ -210,17 +216,18 @@ def _fixes(model, problem: str) -> str:
     as a hint's ending; never one its router does not have."""
     layer = _moe_layers(model)[0]
     allocation, affinity = layer.router.allocation, layer.router.affinity
-    token = isinstance(allocation, routers.TokenChoice)
+    token = allocation.name == "token"
+    knob = _fact(affinity, "balance_knob", None)
     options, fixes = _options(model), []
     if problem == "drops" and _capacity_limited(model):
         fixes.append("raise the capacity factor (router option capacity_factor)")
-    if isinstance(affinity, routers.NoisySoftmax) and "balance_loss" in options:
+    if knob == "balance_loss" and "balance_loss" in options:
         fixes.append("add a balance loss (router option balance_loss='switch')" if affinity.balance_loss == "none"
                      else "raise the balance loss's weight (aux_loss_weight)")
-    if isinstance(affinity, routers.SigmoidGates) and "bias_rate" in options:
+    if knob == "bias_rate" and "bias_rate" in options:
         fixes.append("raise the loss-free bias rate (router option bias_rate)" if affinity.bias_rate > 0
                      else "turn on the loss-free bias (router option bias_rate=1e-3)")
-    learned = not isinstance(affinity, (routers.SinkhornPlan, routers.QuadraticPlan, routers.HashProjection))
+    learned = _fact(affinity, "learned", True) and not _fact(affinity, "balances_group", False)
     if problem == "balance" and token and learned:  # a plan balances already, a hash router learns nothing
         fixes.append("use an allocation that balances by construction (Expert Choice, Sinkhorn)")
     if problem == "drops" and token and layer.path != "dropless":
@@ -233,7 +240,7 @@ def _hint(model, metric: str, value: float, row: dict) -> str:
     if metric == "load_max_over_mean":
         return (f"one expert takes {value:.1f}x the mean share of first choices (and {row['dropped_tokens']:.0%} of "
                 f"tokens reach no expert): the router is collapsing" + _fixes(model, "balance"))
-    if metric == "dropped_tokens" and isinstance(_moe_layers(model)[0].router.allocation, routers.ExpertChoice):
+    if metric == "dropped_tokens" and _moe_layers(model)[0].router.allocation.name == "expert":
         return (f"{value:.0%} of tokens reach no expert, more than the {_forced_unpicked(model):.0%} its capacity "
                 "leaves no room for: the experts pick the same tokens; raise the capacity factor (router option "
                 "capacity_factor), or give the router more training")
@@ -319,7 +326,7 @@ def diagnose(model, images: np.ndarray, *, previous=None, trained_group_images: 
     "batch_invariant": {"invariant": bool, "why": str}, "thresholds": {metric: {"direction",
     "threshold", "reference", "reference_margin"}}, "reference_runs", "findings": [Finding, ...]}``;
     ``batch_invariant`` says whether the configuration, as it routes, makes a prediction depend on
-    nothing but its image (:func:`mini_moe.inference.invariance`). Per layer: ``load_cv`` and
+    nothing but its image (:func:`mini_moe.modes.invariance`). Per layer: ``load_cv`` and
     ``load_max_over_mean`` (top-1 choices per expert, before capacity), ``dropped_picks`` (Token
     Choice: the picks made that found no room) and ``dropped_tokens`` (tokens no expert
     processes), ``experts_per_token``, ``router_entropy`` (mean entropy of the router's
@@ -338,9 +345,8 @@ def diagnose(model, images: np.ndarray, *, previous=None, trained_group_images: 
         raise InputError("diagnose needs a model with MoE layers; this one is dense (router=None).")
     images = _check_images(model, images)
     preds, record = evaluate.routing_record(model, images, batch_size=batch_size)
-    order = np.random.default_rng(seed).permutation(len(images))
-    regrouped = np.empty_like(preds)
-    regrouped[order] = evaluate.routing_record(model, images[order], batch_size=batch_size)[0]
+    dependence = evaluate.batch_dependence(model, images, regroupings=1, permutations=0, seed=seed,
+                                           batch_size=batch_size, reference=preds)
     before = None if previous is None else evaluate.routing_record(previous, images, batch_size=batch_size)[1]
     layers = []
     for i, layer in enumerate(record):
@@ -358,9 +364,9 @@ def diagnose(model, images: np.ndarray, *, previous=None, trained_group_images: 
             "bias_spread": layer["scalars"].get("bias_spread"),
             "slot_sharpness": None if not soft else float(layer["slot_sharpness"].mean()),
         })
-    batch_dependence = float(np.mean(preds != regrouped))
+    batch_dependence = dependence["regroup"]["mean"]
     rules, name = thresholds(model), family(model)
-    invariant, why = inference.invariance(model)
+    invariant, why = modes.invariance(model)
     return {"family": name, "layers": layers, "batch_dependence": batch_dependence,
             "batch_invariant": {"invariant": invariant, "why": why}, **_references(name, rules),
             "findings": _findings(model, layers, batch_dependence, rules, trained_group_images)}
@@ -404,7 +410,7 @@ def _findings(model, layers, batch_dependence, rules, trained_group_images) -> l
                 warned.add(metric)
                 findings.append(Finding(i, metric, value, _hint(model, metric, value, row)))
         affinity = module.router.affinity
-        if isinstance(affinity, routers.SigmoidGates) and affinity.bias_rate > 0 and row["bias_spread"] == 0:
+        if _fact(affinity, "bias_moves", False) and row["bias_spread"] == 0:
             findings.append(Finding(i, "bias_frozen", affinity.bias_rate, f"the loss-free bias never moved although "
                                     f"bias_rate = {affinity.bias_rate:g}: nothing updates it (check that training "
                                     "runs the router in training mode)"))

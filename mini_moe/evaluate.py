@@ -20,16 +20,20 @@
 * :func:`group_dependence` — one router and MoE layer: how often an image's tokens get a
   different layer output when the other images of its routing group change.
 * :func:`expert_maps` and :func:`plot_expert_maps` — which expert each patch went to.
-* :func:`dropless_mode` — a model trained with capacity, evaluated with no pick dropped
-  (``accuracy(..., dropless=True)``).
+* :func:`forward_batches` — the one evaluation loop every function here runs (batches of whole
+  routing groups, the last padded, eval mode); :func:`predictions` and :func:`batch_dependence`
+  — predicted classes in a given order, and how many change when the images are regrouped.
 
 All functions run the model in eval mode (no router noise) and leave every module in the
-mode they found it in (train, eval, or a mix).
+mode they found it in (train, eval, or a mix). The modes that run a model differently (dropless,
+another capacity, per-image groups, ...) are in :mod:`mini_moe.modes`; ``accuracy(...,
+dropless=True)`` evaluates with no pick dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import jax
@@ -38,32 +42,12 @@ import numpy as np
 from flax import nnx
 
 from mini_moe import augment
-from mini_moe import layer, parallel
+from mini_moe import layer, modes, parallel, stats
 from mini_moe import losses as losses_lib
-from mini_moe.model import MoeLayer
-from mini_moe import routers as routers_lib
 from mini_moe import routing as routing_lib
-from mini_moe.validate import InputError
+from mini_moe.validate import InputError, check_int
 
 Array = Any
-
-
-_MODE_ATTRIBUTES = ("deterministic", "use_running_average")  # what model.train() / eval() set
-
-
-@contextlib.contextmanager
-def eval_mode(model):
-    """Put ``model`` in eval mode for the block, then restore each module's own mode (whether
-    it was in train or eval mode before): ``with eval_mode(model): ...``."""
-    saved = [(module, name, getattr(module, name))
-             for _, module in nnx.iter_graph(model) if isinstance(module, nnx.Module)
-             for name in _MODE_ATTRIBUTES if hasattr(module, name)]
-    model.eval()
-    try:
-        yield model
-    finally:
-        for module, name, value in saved:
-            setattr(module, name, value)
 
 
 @nnx.jit(static_argnames=("return_routing", "mesh"))
@@ -71,27 +55,55 @@ def _forward(model, images, return_routing=False, mesh=None):
     return model(images, return_routing=return_routing, mesh=mesh)
 
 
-def _padded_batches(model, images: np.ndarray, batch_size: int):
-    """Batches of exactly ``batch_size`` (rounded to a multiple of the routing group, times
-    the number of devices for a sharded model); the last is padded by repeating images.
-    Yields ``(batch, n_real)``; a sharded model's batches are split over its devices."""
+def forward_batches(model, images: np.ndarray, *, batch_size: int = 400, routing: bool = False):
+    """The one evaluation loop: ``images [N, H, W, C]`` in their order, in batches of
+    ``batch_size`` images (rounded down to whole routing groups, times the number of devices for
+    a sharded model), the last padded with copies of its own images, each run in eval mode.
+
+    Yields ``(output, n)``: the model's :class:`~mini_moe.model.ModelOutput` for the batch (with
+    every MoE layer's routing tensors and picks when ``routing=True``) and how many of its images
+    are real, its first ``n``: slice per-image fields with ``[:n]``, and weigh a batch's metrics
+    (means over the whole batch, copies included) by ``n``.
+    """
     mesh = parallel.model_mesh(model)
-    group = model.cfg.group_images * (1 if mesh is None else mesh.size)
-    batch_size = max(group, batch_size - batch_size % group)
-    for start in range(0, len(images), batch_size):
-        chunk = images[start : start + batch_size]
+    with modes.eval_mode(model):
+        for chunk, n in _padded_chunks(model, images, batch_size):
+            batch = jnp.asarray(chunk) if mesh is None else jax.device_put(chunk, parallel.batch_sharding(mesh))
+            yield _forward(model, batch, return_routing=routing, mesh=mesh), n
+
+
+def _padded_chunks(model, images: np.ndarray, batch_size: int):
+    """:func:`forward_batches`' batches as NumPy arrays ``(chunk, n)``: ``batch_size`` rounded
+    down to whole routing groups of the configuration and of the routing as it is now (the same
+    number, or 1 in a per-image mode, so a mode never changes how the batches are cut), times the
+    devices of a sharded model; the last padded with copies of its own images."""
+    images = np.asarray(images)
+    mesh = parallel.model_mesh(model)
+    group = math.lcm(model.cfg.group_images, modes.group_images(model)) * (1 if mesh is None else mesh.size)
+    size = max(group, batch_size - batch_size % group)
+    for start in range(0, len(images), size):
+        chunk = images[start:start + size]
         n = len(chunk)
-        if n < batch_size:
-            chunk = np.concatenate([chunk, np.resize(chunk, (batch_size - n,) + chunk.shape[1:])])
-        yield (jnp.asarray(chunk) if mesh is None else jax.device_put(chunk, parallel.batch_sharding(mesh))), n
+        if n < size:
+            chunk = np.concatenate([chunk, np.resize(chunk, (size - n,) + chunk.shape[1:])])
+        yield chunk, n
 
 
 def _collect(model, images, field, batch_size):
-    out, mesh = [], parallel.model_mesh(model)
-    with eval_mode(model):
-        for batch, n in _padded_batches(model, images, batch_size):
-            out.append(np.asarray(getattr(_forward(model, batch, mesh=mesh), field)[:n]))
-    return np.concatenate(out)
+    """One field of every real image's output (``logits``, ``features``), concatenated."""
+    return np.concatenate([np.asarray(getattr(out, field)[:n])
+                           for out, n in forward_batches(model, images, batch_size=batch_size)])
+
+
+def predictions(model, images: np.ndarray, order=None, *, batch_size: int = 400) -> np.ndarray:
+    """Predicted classes ``[N]`` of ``images [N, H, W, C]`` routed in the order ``order`` (a
+    permutation of ``range(N)``; None: as given): consecutive images share routing groups. The
+    result is indexed like ``images``, whatever the order."""
+    images = np.asarray(images)
+    order = np.arange(len(images)) if order is None else np.asarray(order)
+    out = np.empty(len(images), dtype=np.int64)
+    out[order] = _collect(model, images[order], "logits", batch_size).argmax(-1)
+    return out
 
 
 def features(model, images: np.ndarray, *, batch_size: int = 256) -> np.ndarray:
@@ -99,36 +111,12 @@ def features(model, images: np.ndarray, *, batch_size: int = 256) -> np.ndarray:
     return _collect(model, images, "features", batch_size)
 
 
-@contextlib.contextmanager
-def dropless_mode(model):
-    """Compute every MoE layer of ``model`` on the dropless path for the block (every pick reaches
-    its expert, no capacity), then restore each layer's own path: ``with dropless_mode(model): ...``.
-
-    Evaluating a model trained with capacity this way separates what dropping cost in training from
-    what it costs at inference (DeepSeek-V3 drops no token at inference, its Sec. 2.1.2). Only
-    Token Choice routers have a dropless path; any other MoE layer raises ``InputError``.
-    """
-    moe_layers = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoeLayer)]
-    others = sorted({type(m.router.allocation).__name__ for m in moe_layers
-                     if not isinstance(m.router.allocation, routers_lib.TokenChoice)})
-    if others:
-        raise InputError(f"dropless evaluation needs Token Choice routers in every MoE layer; this model has {others}.")
-    saved = [(m, m.path) for m in moe_layers]
-    for m in moe_layers:
-        m.path = "dropless"
-    try:
-        yield model
-    finally:
-        for m, path in saved:
-            m.path = path
-
-
 def accuracy(model, dataset, *, batch_size: int = 512, dropless: bool = False) -> float:
     """Top-1 accuracy over a dataset (images already normalised like the training data), the
     images in their order, in batches of ``batch_size`` routed in the model's groups. With
     ``dropless=True`` every MoE layer runs on the dropless path (:func:`dropless_mode`): no pick
     is dropped, so the result no longer depends on how the images are grouped."""
-    with dropless_mode(model) if dropless else contextlib.nullcontext():
+    with modes.dropless_mode(model) if dropless else contextlib.nullcontext():
         logits = _collect(model, dataset.images, "logits", batch_size)
     return float(np.mean(np.argmax(logits, -1) == dataset.labels))
 
@@ -189,14 +177,12 @@ def router_report(model, images: np.ndarray, *, batch_size: int = 256) -> list[d
     the number of real images in it, so the last batch's padding copies do not tip the mean.
     """
     sums, probs, total = None, None, 0
-    with eval_mode(model):
-        for batch, n in _padded_batches(model, images, batch_size):
-            out = _forward(model, batch)
-            metrics = [{k: n * np.asarray(v, np.float64) for k, v in m.items()} for m in out.metrics]
-            sums = metrics if sums is None else [{k: s[k] + m[k] for k in s} for s, m in zip(sums, metrics)]
-            layer_probs = [np.asarray(p[:n]) for p in out.probs]
-            probs = layer_probs if probs is None else [np.concatenate([a, b]) for a, b in zip(probs, layer_probs)]
-            total += n
+    for out, n in forward_batches(model, images, batch_size=batch_size):
+        metrics = [{k: n * np.asarray(v, np.float64) for k, v in m.items()} for m in out.metrics]
+        sums = metrics if sums is None else [{k: s[k] + m[k] for k in s} for s, m in zip(sums, metrics)]
+        layer_probs = [np.asarray(p[:n]) for p in out.probs]
+        probs = layer_probs if probs is None else [np.concatenate([a, b]) for a, b in zip(probs, layer_probs)]
+        total += n
     if sums is None:
         return []
     report = []
@@ -213,37 +199,10 @@ def _cv(counts: np.ndarray) -> float:
     return float(counts.std() / mean) if mean > 0 else 0.0
 
 
-def _picks_made(router, probs: np.ndarray) -> np.ndarray | None:
-    """``int [..., P]``: the picks a Token Choice router made per token, before any capacity cut,
-    from its distributions ``probs [..., P, E]``; None for other allocations (they make no picks
-    per token). ``k`` per token; with null experts (``TokenChoice.null_experts``, their columns last
-    in ``probs``) the real experts among the token's top k of ``probs`` plus the router's bias;
-    with top-p gates the experts :func:`~mini_moe.routers.top_p_mask` selects; with ``min_score``
-    and ReLU gates (``k = E``, a pick per positive gate) the experts with a positive share, where a
-    token with no positive gate made none (:class:`~mini_moe.routers.ReluGates` gives it the
-    uniform distribution)."""
-    allocation = router.allocation
-    if not isinstance(allocation, routers_lib.TokenChoice):
-        return None
-    if allocation.null_experts:  # the real experts among the top k of probs + bias (null picks cost nothing)
-        bias = np.asarray(getattr(router.affinity, "bias", np.zeros(probs.shape[-1]))[...])
-        top = np.argsort(-(probs + bias), axis=-1, kind="stable")[..., :allocation.k]
-        return (top < probs.shape[-1] - allocation.null_experts).sum(-1)
-    if allocation.min_score is None:
-        return np.full(probs.shape[:-1], allocation.k)
-    if isinstance(router.affinity, routers_lib.TopPGates):  # the fewest top experts whose probabilities reach p
-        return np.asarray(routers_lib.top_p_mask(jnp.asarray(probs), router.affinity.threshold[...])).sum(-1)
-    if not isinstance(router.affinity, routers_lib.ReluGates):
-        raise InputError(f"picks with min_score need ReLU or top-p gates, not {type(router.affinity).__name__}.")
-    num_experts = probs.shape[-1]
-    made = np.minimum((probs > 0).sum(-1), allocation.k)
-    return np.where(np.all(probs == np.float32(1 / num_experts), -1), 0, made)
-
-
 def routing_record(model, images: np.ndarray, *, batch_size: int = 400):
     """One pass of ``model`` (eval mode, in its routing groups) over ``images [N, H, W, C]``: the
     per-image record that :func:`mechanisms` and :mod:`mini_moe.diagnose` measure. The last
-    batch is padded with copies of its images (``_padded_batches``); the copies are routed
+    batch is padded with copies of its images (:func:`forward_batches`); the copies are routed
     with the others but left out of the record.
 
     Returns ``(preds [N], layers)``, one dict per MoE layer:
@@ -252,7 +211,9 @@ def routing_record(model, images: np.ndarray, *, batch_size: int = 400):
       any weight > 0);
     * ``top1`` ``int [N, P]``: the expert with the largest router probability (the router's own
       choice, before any capacity);
-    * ``picks`` ``int [N, P]`` or None: the picks a Token Choice router made (``_picks_made``);
+    * ``picks`` ``int [N, P]`` or None: how many real experts each patch picked before any
+      capacity cut, as the router reports it (:attr:`~mini_moe.routers.RouterOutput.picks`);
+      None for an allocation that makes no per-token picks (Expert Choice, Soft MoE);
     * ``entropy`` ``[N, P]``: the entropy of each patch's distribution over the experts, in nats;
     * ``slot_sharpness`` ``[N]`` or None: Soft MoE only, per image the mean over its slots of
       the largest dispatch weight (1 when each slot takes a single token);
@@ -260,26 +221,23 @@ def routing_record(model, images: np.ndarray, *, batch_size: int = 400):
       mean counted with the number of real images in it.
     """
     cfg = model.cfg
-    routers = [block.mlp.router for block in model.blocks if block.use_moe]
     preds, parts, total = [], [], 0
-    with eval_mode(model):
-        for batch, n in _padded_batches(model, images, batch_size):
-            out = _forward(model, batch, return_routing=True)
-            preds.append(np.asarray(out.logits[:n]).argmax(-1))
-            per_layer = []
-            for router, rt, probs, metrics in zip(routers, out.routings, out.probs, out.metrics):
-                probs = np.asarray(probs[:n])  # [n, P, E]
-                dispatch = np.asarray(rt.dispatch)  # [groups, T, E, C]
-                hits = (dispatch > 0).any(-1).reshape(-1, cfg.num_patches, cfg.routed_experts)[:n]
-                # Soft MoE: a group is an image, each slot's weights sum to 1 over its tokens
-                sharp = None if rt.sparse else dispatch[:n].max(axis=1).mean(axis=(1, 2))
-                per_layer.append({
-                    # top-1 among the real experts (null columns, when there are any, come last)
-                    "hits": hits, "top1": probs[..., :cfg.routed_experts].argmax(-1), "picks": _picks_made(router, probs),
-                    "entropy": -np.sum(probs * np.log(np.clip(probs, 1e-12, None)), -1), "slot_sharpness": sharp,
-                    "scalars": {k: n * float(v) for k, v in metrics.items() if np.ndim(v) == 0}})
-            parts.append(per_layer)
-            total += n
+    for out, n in forward_batches(model, images, batch_size=batch_size, routing=True):
+        preds.append(np.asarray(out.logits[:n]).argmax(-1))
+        per_layer = []
+        for rt, probs, picks, metrics in zip(out.routings, out.probs, out.picks, out.metrics):
+            probs = np.asarray(probs[:n])  # [n, P, E]
+            dispatch = np.asarray(rt.dispatch)  # [groups, T, E, C]
+            hits = (dispatch > 0).any(-1).reshape(-1, cfg.num_patches, cfg.routed_experts)[:n]
+            # Soft MoE: a group is an image, each slot's weights sum to 1 over its tokens
+            sharp = None if rt.sparse else dispatch[:n].max(axis=1).mean(axis=(1, 2))
+            per_layer.append({
+                # top-1 among the real experts (null columns, when there are any, come last)
+                "hits": hits, "top1": probs[..., :cfg.routed_experts].argmax(-1), "picks": None if picks is None else np.asarray(picks[:n, :, :cfg.routed_experts]).sum(-1),
+                "entropy": -np.sum(probs * np.log(np.clip(probs, 1e-12, None)), -1), "slot_sharpness": sharp,
+                "scalars": {k: n * float(v) for k, v in metrics.items() if np.ndim(v) == 0}})
+        parts.append(per_layer)
+        total += n
     layers = []
     for acc in zip(*parts):
         layer = {key: None if acc[0][key] is None else np.concatenate([part[key] for part in acc])
@@ -338,7 +296,7 @@ def perturbation_path(model, image: np.ndarray, companions: np.ndarray, directio
     model is a smooth function of alpha; at a change its output can jump.
     """
     cfg = model.cfg
-    group = 1 if routers_lib.per_image(cfg.router) else cfg.group_images
+    group = modes.group_images(model)
     companions = np.asarray(companions)[: group - 1]
     if len(companions) != group - 1:
         raise InputError(f"companions must hold group_images - 1 = {group - 1} images, got {len(companions)}.")
@@ -348,7 +306,7 @@ def perturbation_path(model, image: np.ndarray, companions: np.ndarray, directio
     flat = groups.reshape((-1,) + points.shape[1:]).astype(np.float32)
     per_batch = max(group, batch_size - batch_size % group)
     probs, hits = [], []
-    with eval_mode(model):
+    with modes.eval_mode(model):
         for start in range(0, len(flat), per_batch):
             out = _forward(model, jnp.asarray(flat[start:start + per_batch]), return_routing=True)
             probs.append(np.asarray(jax.nn.softmax(out.logits[::group], axis=-1)))
@@ -401,15 +359,13 @@ def routing_accuracy(model, images: np.ndarray, tasks: np.ndarray, *, batch_size
         raise InputError(f"tasks must be [N, P] = [{len(images)}, {cfg.num_patches}], got {tasks.shape}.")
     num_tasks = int(tasks.max()) + 1
     layers = None
-    with eval_mode(model):
-        for batch, n in _padded_batches(model, images, batch_size):
-            out = _forward(model, batch, return_routing=True)
-            per_layer = []
-            for rt in out.routings:
-                weight = np.asarray(rt.combine, np.float32).sum(-1).reshape(-1, cfg.num_patches, cfg.routed_experts)
-                hits = (np.asarray(rt.dispatch) > 0).any(-1).reshape(weight.shape)
-                per_layer.append((weight[:n], hits[:n]))
-            layers = [[x] for x in per_layer] if layers is None else [a + [x] for a, x in zip(layers, per_layer)]
+    for out, n in forward_batches(model, images, batch_size=batch_size, routing=True):
+        per_layer = []
+        for rt in out.routings:
+            weight = np.asarray(rt.combine, np.float32).sum(-1).reshape(-1, cfg.num_patches, cfg.routed_experts)
+            hits = (np.asarray(rt.dispatch) > 0).any(-1).reshape(weight.shape)
+            per_layer.append((weight[:n], hits[:n]))
+        layers = [[x] for x in per_layer] if layers is None else [a + [x] for a, x in zip(layers, per_layer)]
     result = []
     for acc in layers or []:
         weight, hits = np.concatenate([w for w, _ in acc]), np.concatenate([h for _, h in acc])
@@ -427,11 +383,10 @@ def group_routing(model, images: np.ndarray, *, layer: int = -1):
     layer ``layer`` (eval mode), with tensors ``[T, E, C]``: the first ``group_images`` images
     for a sparse router, the first image for Soft MoE. Draw it with
     :func:`mini_moe.figures.routing_heatmaps`."""
-    cfg = model.cfg
-    group = 1 if routers_lib.per_image(cfg.router) else cfg.group_images
+    group = modes.group_images(model)
     if len(images) < group:
         raise InputError(f"images must hold at least one routing group ({group} images), got {len(images)}.")
-    with eval_mode(model):
+    with modes.eval_mode(model):
         rt = _forward(model, jnp.asarray(images[:group]), return_routing=True).routings[layer]
     return routing_lib.Routing(np.asarray(rt.dispatch[0]), np.asarray(rt.combine[0]), sparse=rt.sparse)
 
@@ -448,15 +403,13 @@ def dispatch_mass(model, images: np.ndarray, *, batch_size: int = 256) -> list[n
     """
     cfg = model.cfg
     batches = []  # per batch, per MoE layer: [n, P]
-    with eval_mode(model):
-        for batch, n in _padded_batches(model, images, batch_size):
-            out = _forward(model, batch, return_routing=True)
-            per_layer = []
-            for rt in out.routings:
-                dispatch = np.asarray(rt.dispatch, np.float64)  # [groups, T, E, C]
-                uniform = dispatch.shape[-1] * dispatch.shape[-2] / dispatch.shape[-3]
-                per_layer.append((dispatch.sum((-1, -2)) / uniform).reshape(-1, cfg.num_patches)[:n])
-            batches.append(per_layer)
+    for out, n in forward_batches(model, images, batch_size=batch_size, routing=True):
+        per_layer = []
+        for rt in out.routings:
+            dispatch = np.asarray(rt.dispatch, np.float64)  # [groups, T, E, C]
+            uniform = dispatch.shape[-1] * dispatch.shape[-2] / dispatch.shape[-3]
+            per_layer.append((dispatch.sum((-1, -2)) / uniform).reshape(-1, cfg.num_patches)[:n])
+        batches.append(per_layer)
     return [np.concatenate(layer) for layer in zip(*batches)]
 
 
@@ -471,22 +424,82 @@ def slot_mixing(model, images: np.ndarray, *, batch_size: int = 256) -> list[dic
     (:class:`~mini_moe.routers.SlotLogits`, initialised at 1: larger values sharpen the weights).
     """
     layers = [block.mlp for block in model.blocks if block.use_moe]
-    if not layers or not all(isinstance(m.router.affinity, routers_lib.SlotLogits) for m in layers):
+    if not layers or not all(m.router.per_image for m in layers):
         raise InputError("slot_mixing needs a Soft MoE model (router='soft_moe'): only its slots mix tokens.")
     sums = None  # per layer: [sum of effective tokens, sum of max weights, slot count]
-    with eval_mode(model):
-        for batch, n in _padded_batches(model, images, batch_size):
-            out = _forward(model, batch, return_routing=True)
-            per_layer = []
-            for rt in out.routings:
-                w = np.asarray(rt.dispatch, np.float64)[:n]  # [images, T, E, S]: one image per group
-                per_layer.append(np.array([np.sum(1 / np.sum(w**2, axis=1)), np.sum(w.max(axis=1)),
-                                           w.shape[0] * w.shape[2] * w.shape[3]]))
-            sums = per_layer if sums is None else [a + b for a, b in zip(sums, per_layer)]
+    for out, n in forward_batches(model, images, batch_size=batch_size, routing=True):
+        per_layer = []
+        for rt in out.routings:
+            w = np.asarray(rt.dispatch, np.float64)[:n]  # [images, T, E, S]: one image per group
+            per_layer.append(np.array([np.sum(1 / np.sum(w**2, axis=1)), np.sum(w.max(axis=1)),
+                                       w.shape[0] * w.shape[2] * w.shape[3]]))
+        sums = per_layer if sums is None else [a + b for a, b in zip(sums, per_layer)]
     return [{"tokens_per_slot": float(total[0] / total[2]), "max_weight": float(total[1] / total[2]),
              "tokens": model.cfg.num_patches, "scale": float(m.router.affinity.scale[...]),
              "slots": m.router.affinity.num_experts * m.router.affinity.slots_per_expert}
             for total, m in zip(sums, layers)]
+
+
+def within_group_permutation(n: int, group: int, rng: np.random.Generator) -> np.ndarray:
+    """An order of ``range(n)`` that keeps every block of ``group`` consecutive images together
+    (the same routing groups) and shuffles the images' positions inside each block."""
+    order = np.arange(n)
+    for start in range(0, n, group):
+        order[start:start + group] = rng.permutation(order[start:start + group])
+    return order
+
+
+def batch_dependence(model, images: np.ndarray, *, regroupings: int = 8, permutations: int | None = None,
+                     seed: int = 0, batch_size: int = 400, reference: np.ndarray | None = None) -> dict:
+    """How much a prediction depends on the other images of its routing group: the one measure
+    of batch dependence (:func:`mechanisms`, :mod:`mini_moe.diagnose` and chapter 17 read it).
+
+    The images are routed in their order (the reference; pass its predictions as ``reference`` if
+    you have them), then ``regroupings`` times in a random order (new groups: ``"regroup"``), and
+    ``permutations`` (default ``regroupings``) times permuted within blocks of the model's
+    configured ``group_images`` (the same groups as trained, new positions: ``"permute"``; a
+    per-image mode then shows 0 as a measurement, not by construction). For each, per draw the
+    share of images whose predicted class differs from the reference, and:
+
+    * ``mean``, and ``low``, ``high``: a 95 % t interval over the draws (None with one draw). It
+      covers the draws' noise for these images only;
+    * ``image_low``, ``image_high``: a 95 % percentile bootstrap over the images (each image's
+      share of draws in which it changed), the interval a new sample of images would need;
+    * ``changed``: how many images changed in at least one draw.
+
+    A batch-invariant model (:func:`mini_moe.modes.invariance`) gives 0 in every draw, in exact
+    arithmetic. The first regrouping is the order ``np.random.default_rng(seed).permutation(N)``.
+    """
+    check_int("regroupings", regroupings, 1)
+    permutations = regroupings if permutations is None else permutations
+    check_int("permutations", permutations, 0)
+    images = np.asarray(images)
+    rng = np.random.default_rng(seed)
+    reference = predictions(model, images, batch_size=batch_size) if reference is None else np.asarray(reference)
+    regroup = [predictions(model, images, rng.permutation(len(images)), batch_size=batch_size) != reference
+               for _ in range(regroupings)]
+    block = modes.group_images(model)
+    block = model.cfg.group_images if block == 1 else block
+    permute = [predictions(model, images, within_group_permutation(len(images), block, rng),
+                           batch_size=batch_size) != reference for _ in range(permutations)]
+    return {"regroup": _dependence(regroup, seed), "permute": _dependence(permute, seed) if permute else None,
+            "images": len(images), "group_images": modes.group_images(model), "permute_block": block,
+            "regroupings": regroupings, "permutations": permutations}
+
+
+def _dependence(changed: list, seed: int) -> dict:
+    """The shares of changed predictions of each draw (``changed``: one ``bool [N]`` per draw),
+    with a t interval over the draws and a bootstrap interval over the images."""
+    changed = np.asarray(changed)  # [draws, N]
+    shares = [float(x) for x in changed.mean(1)]
+    mean = float(np.mean(shares))
+    low = high = None
+    if len(shares) > 1:
+        t = stats.paired_t(shares)
+        low, high = max(0.0, t["ci_low"]), min(1.0, t["ci_high"])
+    image_low, image_high = (0.0, 0.0) if not changed.any() else stats.bootstrap_mean(changed.mean(0), seed=seed)
+    return {"mean": mean, "low": low, "high": high, "shares": shares, "image_low": image_low,
+            "image_high": image_high, "changed": int(changed.any(0).sum())}
 
 
 def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 400,
@@ -496,8 +509,8 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
     Returns ``{"batch_dependence": float, "layers": [one dict per MoE layer]}``:
 
     * ``batch_dependence``: the fraction of predictions that change when each image's routing
-      group is refilled with other images (the images are evaluated in their order and again in
-      a seeded random order). 0 for Soft MoE and the dense ViT, which see one image at a time.
+      group is refilled with other images (:func:`batch_dependence`, one seeded regrouping).
+      0 for Soft MoE and the dense ViT, which see one image at a time.
     * per layer, over all patches of all images:
 
       - ``unprocessed``: fraction of tokens that no expert processes (their MoE output is 0);
@@ -514,9 +527,8 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
         (:func:`routing_stability`, on the first ``stability_images`` images).
     """
     preds, layers = routing_record(model, images, batch_size=batch_size)
-    order = np.random.default_rng(seed).permutation(len(images))
-    shuffled = np.empty_like(preds)
-    shuffled[order] = routing_record(model, images[order], batch_size=batch_size)[0]
+    dependence = batch_dependence(model, images, regroupings=1, permutations=0, seed=seed, batch_size=batch_size,
+                                  reference=preds)
     stability = routing_stability(model, images[:stability_images], seed=seed) if layers else []
     keys = ("unprocessed", "dropped_routes", "experts_per_token", "load_cv", "processed_cv")
     out = []
@@ -524,7 +536,7 @@ def mechanisms(model, images: np.ndarray, *, seed: int = 0, batch_size: int = 40
         summary = routing_summary(layer)
         out.append({**{k: summary[k] for k in keys}, "stability_top1": float(stable["top1"]),
                     "stability_top2": None if stable["top2"] is None else float(stable["top2"])})
-    return {"batch_dependence": float(np.mean(preds != shuffled)), "layers": out}
+    return {"batch_dependence": dependence["regroup"]["mean"], "layers": out}
 
 
 def group_dependence(router, experts, images: Array, *, group_images: int, trials: int = 8, seed: int = 0,
@@ -561,7 +573,7 @@ def group_dependence(router, experts, images: Array, *, group_images: int, trial
     rng = np.random.default_rng(seed)
     num_patches = images.shape[1]
     outputs = []
-    with eval_mode(router):
+    with modes.eval_mode(router):
         for _ in range(trials):
             members = rng.choice(np.arange(1, images.shape[0]), group_images - 1, replace=False)
             position = int(rng.integers(group_images))  # where image 0 sits in the group
@@ -579,7 +591,7 @@ def expert_maps(model, images: np.ndarray) -> np.ndarray:
     """``int [L, B, h, w]``: per MoE layer and patch, the expert with the largest combine
     weight, or -1 where the patch reached no expert (dropped)."""
     cfg = model.cfg
-    with eval_mode(model):
+    with modes.eval_mode(model):
         out = _forward(model, jnp.asarray(images), return_routing=True)
     b, side = len(images), cfg.image_size // cfg.patch_size
     maps = []
@@ -631,9 +643,8 @@ def _view_pairs(model, images: np.ndarray, *, seed: int, batch_size: int, crop: 
     ``index, valid [n, P]`` (see :func:`mini_moe.augment.patch_correspondence`)."""
     cfg = model.cfg
     rng = np.random.default_rng(seed)
-    with eval_mode(model):
-        for batch, n in _padded_batches(model, images, batch_size):
-            batch = np.asarray(batch)
+    with modes.eval_mode(model):
+        for batch, n in _padded_chunks(model, images, batch_size):
             v1, t1 = augment.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)
             v2, t2 = augment.random_resized_crop(rng, batch, out_size=cfg.image_size, **crop)
             v1, t1, v2, t2 = order_views(v1, t1, v2, t2, out_size=cfg.image_size)

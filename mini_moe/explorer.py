@@ -17,8 +17,6 @@ keep a trained model in one small file (float16 weights).
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
 import pathlib
@@ -26,41 +24,11 @@ import sys
 
 import numpy as np
 
-from mini_moe import evaluate
+from mini_moe import evaluate, modes
 from mini_moe.validate import InputError
 
 #: Okabe and Ito's colour-blind-safe palette, without its black (which marks dropped patches).
 PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999")
-
-
-def _routed_factor(cfg, factor: float) -> float:
-    """The routers' capacity factor for the configuration's factor ``factor``: what
-    :meth:`mini_moe.model.ModelConfig.routed_options` makes of it (``m c - K_s`` with fine-grained
-    and shared experts; ``c`` itself otherwise)."""
-    kwargs = dict(cfg.router_kwargs) | {"capacity_factor": float(factor)}
-    return dataclasses.replace(cfg, router_kwargs=tuple(kwargs.items())).routed_options()["capacity_factor"]
-
-
-@contextlib.contextmanager
-def capacity(model, factor: float | None):
-    """Route with capacity factor ``factor`` in every MoE layer whose router has one (Token and
-    Expert Choice; Soft MoE has none), for the block; the trained factors come back afterwards.
-    ``factor`` means what the model's configuration means by it (``router_kwargs``'
-    ``capacity_factor``): with fine-grained and shared experts the routers get ``m c - K_s``.
-    ``None`` changes nothing."""
-    routers = [block.mlp.router for block in model.blocks if block.use_moe]
-    saved = [(r, r.capacity_factor) for r in routers if hasattr(r.allocation, "capacity_factor")]
-    if factor is not None and not factor > 0:
-        raise InputError(f"capacity_factor must be > 0, got {factor!r}.")
-    try:
-        if factor is not None and saved:
-            routed = _routed_factor(model.cfg, factor)
-            for r, _ in saved:
-                r.capacity_factor = routed
-        yield model
-    finally:
-        for r, value in saved:
-            r.capacity_factor = value
 
 
 def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
@@ -68,7 +36,7 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
     """What the explorer draws: image ``image`` of ``images [N, H, W, C]`` in MoE layer ``layer``
     (0 = the first MoE layer), routed in eval mode with its routing group (the images of the
     model's ``group_images`` that hold it; Soft MoE routes it alone) at ``capacity_factor``
-    (None: the trained one; ignored where :func:`has_capacity` is False: Soft MoE, the dropless path).
+    (None: the trained one; ignored where :func:`~mini_moe.modes.has_capacity` is False: Soft MoE, the dropless path).
 
     Returns a dict of NumPy arrays and numbers, P patches of a ``side x side`` grid, E experts:
       ``expert [side, side]`` the expert with the largest combine weight of each patch, -1 where the
@@ -87,13 +55,13 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
     (its ``expert`` is -1 too) and ``null_share`` is their share of the group; both are None
     without null experts.
     """
-    moe_layers = _moe_layers(model)
+    moe_layers = modes.moe_layers(model)
     if not 0 <= layer < len(moe_layers):
         raise InputError(f"layer must be in 0..{len(moe_layers) - 1} (the model's MoE layers), got {layer!r}.")
     images = np.asarray(images)
     if not 0 <= image < len(images):
         raise InputError(f"image must be in 0..{len(images) - 1}, got {image!r}.")
-    group = _group_size(model)
+    group = modes.group_images(model)
     start = image - image % group
     batch = images[start:start + group]
     if len(batch) < group:
@@ -101,63 +69,34 @@ def routing_view(model, images: np.ndarray, *, image: int = 0, layer: int = 0,
                          f"pass at least {start + group} images.")
     routings, factor = _route(model, batch, capacity_factor)
     return _view(*routings[layer], group=0, index=image - start, patches=model.cfg.num_patches, factor=factor,
-                 soft=moe_layers[layer].mlp.router.per_image)
-
-
-def _moe_layers(model):
-    layers = [block for block in model.blocks if block.use_moe]
-    if not layers:
-        raise InputError("routing views and measurements need a model with MoE layers; this one is dense "
-                         "(router=None).")
-    return layers
-
-
-def _group_size(model) -> int:
-    """Images per routing group: the model's ``group_images``; 1 for Soft MoE (it routes each image alone)."""
-    return 1 if _moe_layers(model)[0].mlp.router.per_image else model.cfg.group_images
-
-
-def has_capacity(model) -> bool:
-    """Whether the model's routers have a capacity factor that the explorer can change: not Soft MoE
-    (it has slots, no capacity) and not the dropless path (nothing is dropped for capacity)."""
-    router = _moe_layers(model)[0].mlp.router
-    return not router.per_image and model.cfg.moe_path != "dropless" and hasattr(router.allocation, "capacity_factor")
-
-
-def trained_capacity(model) -> float | None:
-    """The capacity factor the model was trained with, as its configuration states it (the c of
-    :func:`capacity`; None without one: Soft MoE, dropless)."""
-    if not has_capacity(model):
-        return None
-    routed = float(_moe_layers(model)[0].mlp.router.capacity_factor)
-    coarse = (routed + model.cfg.shared_experts) / model.cfg.fine_grained  # the inverse of m c - K_s
-    return float(f"{coarse:.12g}")  # without the float round-off of m c - K_s (0.7, not 0.6999...98)
+                 soft=moe_layers[layer].router.per_image)
 
 
 def offered_capacities(model, capacities) -> list[float] | list[None]:
     """The factors the explorer offers for ``model``: ``capacities`` and the trained one, sorted
     (``[None]`` without a capacity); it opens at the trained one."""
-    trained = trained_capacity(model)
+    trained = modes.trained_capacity(model)
     return [None] if trained is None else sorted({float(c) for c in capacities} | {trained})
 
 
 def _route(model, batch, capacity_factor):
     """One eval-mode forward of ``batch`` (whole routing groups) at ``capacity_factor`` (ignored
-    without :func:`has_capacity`): per MoE layer ``(dispatch, combine, picks)``, the first two as
-    NumPy ``[G, T, E, C]``, ``picks [G, T]`` each token's real picks before any capacity
-    (``evaluate._picks_made``, the rule of the routing record; None without null experts), and
-    the factor used (None without a capacity)."""
-    factor = capacity_factor if has_capacity(model) else None
-    with capacity(model, factor), evaluate.eval_mode(model):
-        out = evaluate._forward(model, np.asarray(batch), return_routing=True)
-    factor = trained_capacity(model) if factor is None else float(factor)
+    without :func:`~mini_moe.modes.has_capacity`): per MoE layer ``(dispatch, combine, picks)``, the
+    first two as NumPy ``[G, T, E, C]``, ``picks [G, T]`` each token's real picks before any capacity
+    as the router reports them (None without null experts), and the factor used (None without a
+    capacity)."""
+    batch = np.asarray(batch)
+    factor = capacity_factor if modes.has_capacity(model) else None
+    with modes.capacity(model, factor):
+        (out, _), = evaluate.forward_batches(model, batch, batch_size=len(batch), routing=True)
+    factor = modes.trained_capacity(model) if factor is None else float(factor)
     layers = []
-    for block, rt, probs in zip(_moe_layers(model), out.routings, out.probs):
+    for mlp, rt, picks in zip(modes.moe_layers(model), out.routings, out.picks):
         dispatch = np.asarray(rt.dispatch)
-        router = block.mlp.router
-        null = getattr(router.allocation, "null_experts", 0)
-        picks = evaluate._picks_made(router, np.asarray(probs)) if null else None
-        layers.append((dispatch, np.asarray(rt.combine), None if picks is None else picks.reshape(dispatch.shape[:2])))
+        real = None
+        if mlp.router.allocation.null_experts:  # real picks per token; a token whose picks were all null has none
+            real = np.asarray(picks[..., :dispatch.shape[2]]).sum(-1).reshape(dispatch.shape[:2])
+        layers.append((dispatch, np.asarray(rt.combine), real))
     return layers, factor
 
 
@@ -193,11 +132,11 @@ def batch_views(model, images, capacity_factor) -> list[list[dict]]:
     """:func:`routing_view` of every image of ``images`` (whole routing groups) in every MoE layer,
     from one forward pass of the whole batch at ``capacity_factor``: ``[layer][image]``. What the
     online explorer stores (:func:`export`) and what its browser check recomputes."""
-    group = _group_size(model)
+    group = modes.group_images(model)
     images = np.asarray(images)
     if len(images) % group:
         raise InputError(f"images must hold whole routing groups of {group} images, got {len(images)}.")
-    soft = _moe_layers(model)[0].mlp.router.per_image
+    soft = modes.moe_layers(model)[0].router.per_image
     routings, factor = _route(model, images, capacity_factor)
     return [[_view(*layer, group=i // group, index=i % group, patches=model.cfg.num_patches, factor=factor,
                    soft=soft) for i in range(len(images))] for layer in routings]
@@ -310,7 +249,7 @@ class Explorer:
         if not moe:
             raise InputError("explore needs a model with MoE layers; this one is dense (router=None).")
         self.soft = moe[0].mlp.router.per_image
-        group = _group_size(model)
+        group = modes.group_images(model)
         usable = len(self.images) - len(self.images) % group  # images in complete routing groups
         if usable == 0:
             raise InputError(f"images must hold at least one routing group ({group} images), got {len(self.images)}.")
@@ -318,8 +257,8 @@ class Explorer:
         self.layer = widgets.IntSlider(0, 0, len(moe) - 1, description="MoE layer")
         factors = offered_capacities(model, capacities)
         self.capacity = widgets.SelectionSlider(options=factors if factors != [None] else [float(capacities[0])],
-                                                value=trained_capacity(model) or float(capacities[0]),
-                                                description="capacity", disabled=not has_capacity(model))
+                                                value=modes.trained_capacity(model) or float(capacities[0]),
+                                                description="capacity", disabled=not modes.has_capacity(model))
         self.slot = widgets.IntSlider(-1, -1, 0, description="slot (-1: off)", disabled=not self.soft)
         self.output = widgets.Output()
         for control in (self.image, self.layer, self.capacity, self.slot):
@@ -371,7 +310,7 @@ def explore(model, images, *, capacities=(0.5, 1.0, 2.0), image: int = 0, layer:
     moe = [block for block in model.blocks if block.use_moe]
     if not moe:
         raise InputError("explore needs a model with MoE layers; this one is dense (router=None).")
-    factors = list(capacities) if has_capacity(model) else [None]
+    factors = list(capacities) if modes.has_capacity(model) else [None]
     fig, axes = plt.subplots(2, len(factors), figsize=(3.4 * len(factors), 6.2), squeeze=False)
     for column, factor in enumerate(factors):
         view = routing_view(model, images, image=image, layer=layer, capacity_factor=factor)
@@ -496,12 +435,12 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
         if dataset not in images:
             raise InputError(f"models[{name!r}] routes dataset {dataset!r}, which `images` lacks.")
         batch = np.asarray(images[dataset])
-        group = _group_size(model)
+        group = modes.group_images(model)
         if len(batch) % group:
             raise InputError(f"images[{dataset!r}] must hold whole routing groups of {group} images for "
                              f"{name!r}, got {len(batch)}.")
-        layers = _moe_layers(model)
-        soft = layers[0].mlp.router.per_image
+        layers = modes.moe_layers(model)
+        soft = layers[0].router.per_image
         factors = offered_capacities(model, capacities)
         views, capacity_of = {}, {}
         for factor in factors:
@@ -528,7 +467,7 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
             "num_experts": len(first["load"]), "null_experts": len(model.cfg.null_experts),
             "side": int(round(np.sqrt(model.cfg.num_patches))),
             "slots_per_expert": capacity_of[next(iter(views))] if soft else None,
-            "layers": len(layers), "capacities": factors, "trained_capacity": trained_capacity(model),
+            "layers": len(layers), "capacities": factors, "trained_capacity": modes.trained_capacity(model),
             "capacity": capacity_of if factors[0] is not None else None, "views": views,
             "source": entry.get("source"),
         }

@@ -176,6 +176,9 @@ class ModelOutput:
       probs: per MoE layer, ``[B, N, E]`` each patch's distribution over experts.
       routings: per MoE layer, the :class:`~mini_moe.routing.Routing` (grouped as the
         router saw it), only with ``return_routing=True``.
+      picks: per MoE layer, ``bool [B, N, E (+ Z)]`` the experts each patch picked before any
+        capacity cut, or None where the router makes no per-token picks (Expert Choice, Soft MoE);
+        only with ``return_routing=True`` (:attr:`~mini_moe.routers.RouterOutput.picks`).
     """
 
     logits: Array
@@ -184,6 +187,7 @@ class ModelOutput:
     features: Array
     probs: tuple
     routings: tuple = ()
+    picks: tuple = ()
 
 
 def patchify(images: Array, patch_size: int) -> Array:
@@ -227,7 +231,7 @@ class MoeLayer(nnx.Module):
     def __init__(self, router: routers_lib.Router, experts, *, path: str = "auto", shared=None, null=None):
         if path not in MOE_PATHS:
             raise InputError(f"path must be one of {MOE_PATHS}, got {path!r}.")
-        if path == "dropless" and not isinstance(router.allocation, routers_lib.TokenChoice):
+        if path == "dropless" and not router.allocation.supports_dropless:
             raise InputError(f"path='dropless' needs a Token Choice router, not {type(router.allocation).__name__}.")
         routed_null = getattr(getattr(router, "allocation", None), "null_experts", 0)  # router None: set later
         if routed_null != (0 if null is None else len(null.kinds)):
@@ -288,7 +292,8 @@ class MoeMlp(MoeLayer):
                 "(pad the batch, or change group_images)."
             )
         y, out = super().__call__(x.reshape(b // per_group, per_group * n, d), mesh)
-        return y.reshape(b, n, d), out.replace(probs=out.probs.reshape(b, n, -1))
+        picks = None if out.picks is None else out.picks.reshape(b, n, -1)
+        return y.reshape(b, n, d), out.replace(probs=out.probs.reshape(b, n, -1), picks=picks)
 
 
 class DenseMlp(nnx.Module):
@@ -356,7 +361,7 @@ class VisionMoE(nnx.Module):
             )
         dtype = jnp.dtype(cfg.dtype)
         x = self.embed(patchify(images, cfg.patch_size).astype(dtype)) + self.pos[...].astype(dtype)
-        aux, metrics, probs, routings, layers = jnp.zeros(()), [], [], [], []
+        aux, metrics, probs, routings, picks, layers = jnp.zeros(()), [], [], [], [], []
         for block in self.blocks:
             x, out = block(x, mesh)
             if out is not None:
@@ -365,10 +370,12 @@ class VisionMoE(nnx.Module):
                 probs.append(out.probs)
                 if return_routing:
                     routings.append(out.routing)
+                    picks.append(out.picks)
                 layers.append((block.mlp.router.affinity, out.metrics))
         routers_lib.after_forward(layers)  # e.g. ReMoE: one lambda for the model, moved by all its layers
         features = jnp.mean(self.norm(x.astype(jnp.float32)), axis=1)
-        return ModelOutput(self.head(features), aux, tuple(metrics), features, tuple(probs), tuple(routings))
+        return ModelOutput(self.head(features), aux, tuple(metrics), features, tuple(probs), tuple(routings),
+                           tuple(picks))
 
     def apply_deferred_updates(self, metrics: list) -> None:
         """After the micro-batches of one accumulated step (routers in

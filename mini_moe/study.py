@@ -38,6 +38,7 @@ from flax import nnx
 
 from mini_moe import config as config_lib
 from mini_moe import evaluate, train
+from mini_moe.stats import holm, paired_t  # noqa: F401  (the study's statistics; their home is stats)
 from mini_moe import routers as routers_lib
 from mini_moe.routers import ROUTERS
 from mini_moe.validate import InputError
@@ -210,56 +211,6 @@ def summarize(cells: list[dict]) -> list[dict]:
             row[key + "_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
         rows.append(row)
     return rows
-
-
-def paired_t(differences, *, level: float = 0.95) -> dict:
-    """Paired t-test of ``differences`` (one per independent pair) against zero.
-
-    Returns ``{"difference": mean, "stderr": standard error of the mean, "pairs": n,
-    "t": mean / stderr, "df": n - 1, "p_value": two-sided p-value of Student's t with n - 1
-    degrees of freedom, "ci_low", "ci_high": the ``level`` confidence interval of the mean
-    difference, mean -+ t_{(1 + level)/2, n-1} * stderr}``. With one pair every statistic but
-    the mean is NaN; with a zero spread the t statistic is infinite (p = 0) unless the mean is
-    zero too (t = 0, p = 1).
-    """
-    from scipy import stats  # a dependency of scikit-learn
-
-    diffs = [float(d) for d in differences]
-    if not diffs:
-        raise InputError("paired_t needs at least one difference.")
-    if not 0 < level < 1:
-        raise InputError(f"level must be in (0, 1), got {level!r}.")
-    n, mean = len(diffs), statistics.fmean(diffs)
-    out = {"difference": mean, "pairs": n, "df": n - 1}
-    if n < 2:
-        return out | {"stderr": math.nan, "t": math.nan, "p_value": math.nan, "ci_low": math.nan, "ci_high": math.nan}
-    stderr = statistics.stdev(diffs) / math.sqrt(n)
-    if stderr > 0:
-        t = mean / stderr
-        p_value = float(2 * stats.t.sf(abs(t), n - 1))
-    else:
-        t, p_value = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
-    half = float(stats.t.ppf((1 + level) / 2, n - 1)) * stderr
-    return out | {"stderr": stderr, "t": t, "p_value": p_value, "ci_low": mean - half, "ci_high": mean + half}
-
-
-def holm(p_values) -> list[float]:
-    """Holm's step-down adjustment of a family of p-values (controls the family-wise error rate).
-
-    The i-th smallest of m p-values is multiplied by m - i + 1 (i = 1, ..., m), the products are
-    made non-decreasing in that order and capped at 1; returned in the order given. A comparison
-    is significant at level alpha for the whole family when its adjusted p-value is below alpha.
-    """
-    p = [float(v) for v in p_values]
-    if any(not 0 <= v <= 1 for v in p):
-        raise InputError(f"p-values must lie in [0, 1], got {p}.")
-    m = len(p)
-    adjusted = [0.0] * m
-    running = 0.0
-    for rank, index in enumerate(sorted(range(m), key=lambda i: p[i])):
-        running = max(running, min(1.0, (m - rank) * p[index]))
-        adjusted[index] = running
-    return adjusted
 
 
 def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", capacities=None,

@@ -35,8 +35,9 @@ from flax import nnx
 
 from mini_moe import routers as routers_lib
 from mini_moe import study, train
-from mini_moe.evaluate import assignment_counts, eval_mode
+from mini_moe.evaluate import assignment_counts
 from mini_moe.layer import MlpExperts
+from mini_moe.modes import eval_mode
 from mini_moe.model import MoeLayer
 from mini_moe.validate import InputError, check_int
 

@@ -546,7 +546,7 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
       measure, measure_at: ``measure(step, model)`` is called when ``step`` training steps are
         done, for each ``step`` in ``measure_at`` (also ``start_step``: before the first
         update of a new run), outside the training clock; ``model`` is the live model in
-        training mode, so measure it under :func:`mini_moe.evaluate.eval_mode` and leave it as
+        training mode, so measure it under :func:`mini_moe.modes.eval_mode` and leave it as
         it is. A resumed run measures again the steps after its checkpoint.
     """
     out_dir = pathlib.Path(out_dir)

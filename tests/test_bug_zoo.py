@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mini_moe import evaluate, losses, routers, routing
+from mini_moe import losses, modes, routers, routing
 from mini_moe.layer import MlpExperts, moe
 from mini_moe.model import MoeLayer
 
@@ -67,7 +67,7 @@ def test_torchtitan_4148_evaluation_does_not_move_the_bias(monkeypatch):
 
     def eval_moves_bias() -> bool:
         router = _loss_free()
-        with evaluate.eval_mode(router):
+        with modes.eval_mode(router):
             router(_x(2) + 0.5)
         return bool(np.any(np.asarray(router.affinity.bias[...]) != 0))
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from mini_moe import evaluate, train
+from mini_moe import modes, train
 from mini_moe.model import patchify
 from mini_moe.validate import InputError
 
@@ -335,7 +335,7 @@ def _router_inputs(model, images, *, calls):
     """What each MoE layer's router sees, ``[B, N, D]`` per layer, from the model's own modules,
     the images in ``calls`` equal calls (a pick bound makes a layer's output depend on its call)."""
     per_layer = []
-    with evaluate.eval_mode(model):
+    with modes.eval_mode(model):
         for chunk in np.split(images, calls):
             x = model.embed(patchify(chunk, model.cfg.patch_size)) + model.pos[...]
             out = []

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mini_moe import config as config_lib
-from mini_moe import evaluate, explorer, train
+from mini_moe import evaluate, explorer, modes, train
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def _null_picks(model, images, layer):
     from mini_moe.model import patchify
 
     cfg = model.cfg
-    with evaluate.eval_mode(model):
+    with modes.eval_mode(model):
         x = model.embed(patchify(np.asarray(images), cfg.patch_size)) + model.pos[...]
         moe = [b for b in model.blocks if b.use_moe]
         for block in model.blocks:
@@ -250,7 +250,7 @@ def test_the_explorer_opens_at_the_trained_capacity_factor(images):
     """Issue 49: a model trained at c = 1.25 is offered 1.25 beside the usual factors, and the
     online explorer (its JSON) and the live one open there."""
     model = _model("softmax_expert_choice", capacity_factor=1.25)
-    assert explorer.trained_capacity(model) == 1.25
+    assert modes.trained_capacity(model) == 1.25
     assert explorer.offered_capacities(model, (0.5, 1.0, 2.0)) == [0.5, 1.0, 1.25, 2.0]
     data = explorer.export({"ec": {"model": model, "dataset": "d"}}, {"d": images})
     m = data["models"]["ec"]
@@ -271,8 +271,8 @@ def test_the_capacity_slider_means_the_configurations_factor_on_a_fine_grained_m
     model = fine(2.0)
     router = next(b.mlp.router for b in model.blocks if b.use_moe)
     assert router.capacity_factor == 3.0  # 2 * 2 - 1
-    assert explorer.trained_capacity(model) == 2.0 and 2.0 in explorer.offered_capacities(model, (0.75, 1.5))
-    with explorer.capacity(model, 1.5):
+    assert modes.trained_capacity(model) == 2.0 and 2.0 in explorer.offered_capacities(model, (0.75, 1.5))
+    with modes.capacity(model, 1.5):
         assert router.capacity_factor == 2.0  # 2 * 1.5 - 1, not 1.5
     assert router.capacity_factor == 3.0  # restored
     configured = fine(1.5)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from mini_moe import config as config_lib
-from mini_moe import routers, train
+from mini_moe import modes, routers, train
 
 from live_head import live_head
 
@@ -181,12 +181,10 @@ def test_per_group_losses_do_not_depend_on_the_order_of_the_groups(name, kw):
 ])
 def test_nothing_changes_in_eval_mode(name, kw):
     """Eval mode: no noise, no bias or lambda step, the same output twice; training mode moves them."""
-    from mini_moe import evaluate
-
     router = routers.make_router(name, D, E, rngs=nnx.Rngs(0), **kw)
     x = jax.random.normal(jax.random.key(1), (2, 32, D)) + 0.5
     before = _leaves(nnx.state(router))
-    with evaluate.eval_mode(router):
+    with modes.eval_mode(router):
         first, second = router(x), router(x)
     _close(_leaves(nnx.state(router)), before, rtol=0, atol=0)
     np.testing.assert_array_equal(np.asarray(first.routing.combine), np.asarray(second.routing.combine))

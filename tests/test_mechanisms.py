@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from mini_moe import config as config_lib
-from mini_moe import evaluate, study, subtasks, train
+from mini_moe import evaluate, modes, study, subtasks, train
 
 TINY = dict(model_dim=16, model_depth=2, model_heads=2, model_mlp_dim=16, model_num_experts=4, model_group_images=4)
 
@@ -383,7 +383,7 @@ def test_routing_accuracy_is_the_best_matching_of_main_experts(router):
     images = np.asarray(jax.random.uniform(jax.random.key(2), (24, 28, 28, 1)))
     tasks = np.asarray(jax.random.randint(jax.random.key(3), (24, 16), 0, 4))
     (got,) = evaluate.routing_accuracy(model, images, tasks, batch_size=8)
-    with evaluate.eval_mode(model):
+    with modes.eval_mode(model):
         rt = model(images, return_routing=True).routings[0]
     combine = np.asarray(rt.combine).reshape(24, 16, 4, -1)
     dispatch = np.asarray(rt.dispatch).reshape(24, 16, 4, -1)
@@ -410,7 +410,7 @@ def test_dropless_evaluation_equals_the_dropless_model_and_ignores_grouping(digi
     built = _model("softmax_token_choice", 0.5, model_moe_path="dropless")
     nnx.update(built, nnx.state(capped))
     dataset = dataclasses.replace(digits[1], images=images, labels=labels)
-    with evaluate.dropless_mode(capped):
+    with modes.dropless_mode(capped):
         logits = evaluate._collect(capped, images, "logits", 48)
         order = np.random.default_rng(0).permutation(len(images))  # other images in every group
         regrouped = evaluate._collect(capped, images[order], "logits", 48)
@@ -435,7 +435,7 @@ def test_slot_mixing_counts_the_tokens_a_soft_moe_slot_averages(digits):
     t = model.cfg.num_patches
     assert mixing["tokens"] == t and mixing["scale"] == 1.0 and 1 <= mixing["tokens_per_slot"] <= t
     assert mixing["slots"] == model.cfg.routed_experts * dict(model.cfg.router_kwargs).get("slots_per_expert", 1)
-    with evaluate.eval_mode(model):  # the same 8-image program that slot_mixing compiled
+    with modes.eval_mode(model):  # the same 8-image program that slot_mixing compiled
         w = np.concatenate([np.asarray(evaluate._forward(model, batch, return_routing=True).routings[0].dispatch,
                                        np.float64) for batch in (images[:8], images[8:16])])
     (first16,) = evaluate.slot_mixing(model, images[:16], batch_size=8)

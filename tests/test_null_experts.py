@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from live_head import live_head
-from mini_moe import losses, model, routers, routing, train
+from mini_moe import losses, model, modes, routers, routing, train
 from mini_moe.layer import MlpExperts, NullExperts
 from mini_moe.validate import InputError
 
@@ -282,16 +282,14 @@ def test_the_config_round_trips_through_json():
 
 def test_dropless_null_experts_are_batch_invariant_and_capacity_makes_them_dependent():
     """Null picks take no slot, so on the dropless path a token's routing is its own (the
-    derivation's rule, ``inference.invariance``): logits unchanged when the batch is reordered.
+    derivation's rule, ``modes.invariance``): logits unchanged when the batch is reordered.
     With buffers that can refuse picks, the rule says it is not invariant."""
-    from mini_moe import inference
-
     cfg = model.ModelConfig(router="longcat", null_experts=("zero", "identity") * 2, dim=16, mlp_dim=16, depth=2,
                             heads=2, image_size=8, patch_size=4, group_images=4, moe_path="dropless",
                             router_kwargs=(("k", 2), ("target_real", 1.0)))
     m = live_head(model.VisionMoE(cfg, rngs=nnx.Rngs(3)))
     m.eval()
-    assert inference.invariance(m)[0]
+    assert modes.invariance(m)[0]
     images = jax.random.uniform(jax.random.key(14), (16, 8, 8, 1))
     perm = np.random.default_rng(0).permutation(16)
     a = np.asarray(m(images).logits)[perm]
@@ -301,7 +299,7 @@ def test_dropless_null_experts_are_batch_invariant_and_capacity_makes_them_depen
                                                  router_kwargs=cfg.router_kwargs + (("capacity_factor", 0.5),)),
                              rngs=nnx.Rngs(3))
     capped.eval()
-    ok, why = inference.invariance(capped)
+    ok, why = modes.invariance(capped)
     assert not ok and "capacity factor 0.5" in why
 
 

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from mini_moe import routers, routing
-from mini_moe.evaluate import eval_mode
+from mini_moe.modes import eval_mode
 from mini_moe.layer import MlpExperts
 from mini_moe.model import MoeLayer
 

@@ -619,6 +619,57 @@ def test_a_router_registered_outside_the_package_trains_studies_and_benchmarks(u
     assert bench.moe_layer_ms(user_router, "quick", repeats=1) > 0
 
 
+@pytest.fixture
+def variable_router():
+    """A router registered outside the package whose picks vary per token: every expert whose
+    probability is above the uniform 1/E (``TokenChoice(k=E, min_score=0)`` makes exactly those
+    picks), with one line per fact the library reads (``pick_rule``; ``per_token`` is inherited)."""
+    from mini_moe import routers
+
+    class AboveUniform(routers.Affinity):
+        pick_rule = "above-uniform"
+
+        def __call__(self, x, budget):
+            probs = jax.nn.softmax(self.logits(x), axis=-1)
+            return routers.Affinities(jnp.where(probs > 1 / self.num_experts, probs, 0.0), probs=probs)
+
+    @routers.register("above_uniform", allocation="token")
+    def above_uniform(dim, num_experts, *, capacity_factor=None, rngs):
+        return routers.Router(AboveUniform(dim, num_experts, rngs=rngs),
+                              routers.TokenChoice(num_experts, capacity_factor, min_score=0.0))
+
+    yield "above_uniform"
+    del routers.ROUTERS["above_uniform"]
+
+
+def test_a_variable_pick_router_registered_outside_the_package_runs_everywhere(variable_router, tmp_path, digits):
+    """Adding a router is one file: a router whose number of picks varies trains, and evaluate,
+    diagnose, inference and the explorer run on it from what it reports (its picks) and declares."""
+    from mini_moe import diagnose, evaluate, explorer, inference, modes
+
+    cfg = config_lib.get_config("quick", dataset="digits", router=variable_router,
+                                **{**TINY, "model_router_kwargs": {"capacity_factor": 4.0}})
+    train.train(cfg, tmp_path / "run", progress=False, datasets=digits)
+    model = train.make_model(cfg)
+    images = digits[1].images[:32]
+    preds, layers = evaluate.routing_record(model, images, batch_size=32)
+    (layer,) = layers
+    # C = T slots: every pick made is kept, so the picks reported are the experts that process each patch
+    np.testing.assert_array_equal(layer["picks"], layer["hits"].sum(-1))
+    assert 1 <= layer["picks"].max() < model.cfg.routed_experts  # the number varies, below E
+    assert evaluate.mechanisms(model, images, stability_images=8)["layers"][0]["dropped_routes"] == 0.0
+    report = diagnose.diagnose(model, images)
+    assert report["family"] == "above-uniform c=4" and report["batch_invariant"]["invariant"]
+    assert modes.invariance(model)[0]  # per token, and C >= T
+    mismatch = inference.precision_mismatch(model, images, batch_size=32)
+    assert 0.0 <= mismatch[0]["isolated"] <= 1.0
+    rows = inference.capacity_sweep(model, dataclasses.replace(digits[1], images=images, labels=digits[1].labels[:32]),
+                                    [1.0, 4.0], regroupings=2)
+    assert rows[1]["dropped_routes"] == [0.0]
+    view = explorer.routing_view(model, images, image=1)
+    assert view["experts_per_patch"].max() == layer["picks"][1].max()
+
+
 @pytest.mark.parametrize("router", [None] + sorted(config_lib.routers_lib.ROUTERS))
 def test_full_configuration_builds_and_takes_two_training_steps(router):
     """The configuration readers run on a GPU/TPU (CIFAR-10, ``full``: D=192, depth 8, 16 experts)

@@ -23,7 +23,7 @@ seconds, and the registered secondary outcomes of the step-2,000 model on the 10
 experts per patch (mean by position, distribution 0..E, share with none, Spearman's rho against
 the patch's pixel variance and against its distance from the image centre, the reached mean and
 whether it is within 0.25 of 2), the activated expert FLOPs per image, and the batch dependence
-(:func:`mini_moe.inference.batch_dependence`, 4 random regroupings). The per-patch counts
+(:func:`mini_moe.evaluate.batch_dependence`, 4 random regroupings). The per-patch counts
 themselves are saved beside the cell's checkpoints (``real_experts.npz``).
 
 ``smoke`` runs the same code on :data:`SMOKE` (digits, tiny model, 20 steps) into a results file
@@ -46,7 +46,7 @@ import warnings
 
 import numpy as np
 
-from mini_moe import bench, confirm, evaluate, inference, study, train
+from mini_moe import bench, confirm, evaluate, study, train
 from mini_moe.model import patchify
 from mini_moe.validate import InputError
 
@@ -189,20 +189,18 @@ def real_experts(model, images: np.ndarray, *, batch_size: int = 512) -> tuple[l
     if not mlps:
         raise InputError("real_experts needs a model with MoE layers (cfg.router is None).")
     counts, scalars, total = [[] for _ in mlps], [{} for _ in mlps], 0
-    with evaluate.eval_mode(model):
-        for batch, n in evaluate._padded_batches(model, images, batch_size):
-            out = evaluate._forward(model, batch, return_routing=True)
-            for i, (mlp, rt, metrics) in enumerate(zip(mlps, out.routings, out.metrics)):
-                dispatch = np.asarray(rt.dispatch)  # [groups, T, E, C]
-                hits = (dispatch > 0).any(-1)  # [groups, T, E]
-                if mlp.path == "dropless":
-                    gates = np.asarray(rt.combine).sum(-1)  # one slot per pick: the pick's gate
-                    hits = _bounded(hits, gates, mlp.router.allocation.max_picks(hits.shape[0] * hits.shape[1]))
-                counts[i].append(hits.sum(-1).reshape(-1, cfg.num_patches)[:n].astype(np.int16))
-                for key, value in metrics.items():
-                    if np.ndim(value) == 0:
-                        scalars[i][key] = scalars[i].get(key, 0.0) + n * float(value)
-            total += n
+    for out, n in evaluate.forward_batches(model, images, batch_size=batch_size, routing=True):
+        for i, (mlp, rt, metrics) in enumerate(zip(mlps, out.routings, out.metrics)):
+            dispatch = np.asarray(rt.dispatch)  # [groups, T, E, C]
+            hits = (dispatch > 0).any(-1)  # [groups, T, E]
+            if mlp.path == "dropless":
+                gates = np.asarray(rt.combine).sum(-1)  # one slot per pick: the pick's gate
+                hits = _bounded(hits, gates, mlp.router.allocation.max_picks(hits.shape[0] * hits.shape[1]))
+            counts[i].append(hits.sum(-1).reshape(-1, cfg.num_patches)[:n].astype(np.int16))
+            for key, value in metrics.items():
+                if np.ndim(value) == 0:
+                    scalars[i][key] = scalars[i].get(key, 0.0) + n * float(value)
+        total += n
     return [np.concatenate(c) for c in counts], [{k: v / total for k, v in s.items()} for s in scalars]
 
 
@@ -270,7 +268,7 @@ def measure(model, images: np.ndarray, *, batch_size: int, regroupings: int, see
     ``row``: ``layers`` (per MoE layer, :func:`layer_profile` with the block's index and the
     router's scalar metrics), ``reached_mean`` (over the layers) and ``matched`` (every layer's
     mean within ``tolerance`` of ``target``), ``expert_flops_per_image`` (mean, SD, min, max of
-    :func:`expert_flops`) and ``batch_dependence`` (:func:`mini_moe.inference.batch_dependence`:
+    :func:`expert_flops`) and ``batch_dependence`` (:func:`mini_moe.evaluate.batch_dependence`:
     ``regroupings`` random regroupings and as many permutations within groups, in batches of
     ``batch_size``)."""
     cfg = model.cfg
@@ -288,7 +286,7 @@ def measure(model, images: np.ndarray, *, batch_size: int, regroupings: int, see
         "matched": all(layer["matched"] for layer in layers),
         "expert_flops_per_image": {"mean": float(flops.mean()), "sd": float(flops.std()), "min": int(flops.min()),
                                    "max": int(flops.max())},
-        "batch_dependence": inference.batch_dependence(model, images, regroupings=regroupings, seed=seed,
+        "batch_dependence": evaluate.batch_dependence(model, images, regroupings=regroupings, seed=seed,
                                                        batch_size=batch_size),
     }
     return row, counts

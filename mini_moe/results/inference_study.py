@@ -1,15 +1,19 @@
 """Routing at inference on every committed model (issue 53 §1): for each model of
 ``mini_moe/results/explorer-models`` (Token Choice k = 1 and 2, Expert Choice, Soft MoE, the
-loss-free sigmoid router, ReMoE; Fashion-MNIST and ``patch_vote``), on the first ``--images``
-test images:
+loss-free sigmoid router, ReMoE, LongCat's null experts; Fashion-MNIST and ``patch_vote``), on
+the first ``--images`` test images:
 
 - the test-time capacity sweep (:func:`mini_moe.inference.capacity_sweep`): accuracy, tokens no
   expert processes, dropped picks and batch dependence under regrouping, at each factor of
   ``FACTORS`` (one row without a capacity: Soft MoE, dropless);
 - batch dependence at the trained factor, under regrouping and under permutation within groups,
-  with its 95 % interval (:func:`mini_moe.inference.batch_dependence`);
+  with its 95 % interval (:func:`mini_moe.evaluate.batch_dependence`);
 - the filler attack (:func:`mini_moe.inference.filler_attack`) at each factor of
-  ``ATTACK_FACTORS`` and with every mitigation that applies, on ``--victims`` victims.
+  ``ATTACK_FACTORS`` and with every mitigation that applies, on ``--victims`` victims: the flip
+  rate, its position control (random fillers, the victim in the attacker's place) and the excess
+  over it, the victim's dropped patches, and without a mitigation the run-twice check. Each row
+  keeps every victim's predicted class per kind of group as a string of digits
+  (``predictions``), so paired tests (McNemar) recompute from the file.
 
 Writes ``inference-<machine>.json`` and ``inference-capacity_sweep.png`` here::
 
@@ -31,7 +35,7 @@ import time
 
 import numpy as np
 
-from mini_moe import bench, explorer, inference, train
+from mini_moe import bench, evaluate, explorer, inference, modes, train
 from mini_moe.validate import InputError
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -41,16 +45,17 @@ ATTACK_FACTORS = (0.5, 1.0, 2.0)
 
 def _attack_rows(model, images, victims: int) -> list[dict]:
     pool = images[len(images) // 2:]
-    factors = ATTACK_FACTORS if explorer.has_capacity(model) else (None,)
+    factors = ATTACK_FACTORS if modes.has_capacity(model) else (None,)
     rows = []
     for factor in factors:
-        with explorer.capacity(model, factor):
+        with modes.capacity(model, factor):
             for mitigation in inference.MITIGATIONS:
                 try:
-                    result = inference.filler_attack(model, images[:victims], pool, mitigation=mitigation, seed=3)
+                    result = inference.filler_attack(model, images[:victims], pool, mitigation=mitigation, seed=3,
+                                                     run_twice=mitigation is None)
                 except InputError:  # a mitigation that does not apply (BPR on Expert Choice, ...)
                     continue
-                result.pop("predictions")
+                result["predictions"] = {kind: "".join(map(str, p)) for kind, p in result["predictions"].items()}
                 rows.append({"capacity_factor": factor, **result})
     return rows
 
@@ -75,12 +80,12 @@ def main(argv=None) -> int:
         test = train.load_data(cfg)[1]
         images, labels = np.asarray(test.images[:args.images]), np.asarray(test.labels[:args.images])
         subset = dataclasses.replace(test, images=images, labels=labels)
-        invariant, why = inference.invariance(model)
+        invariant, why = modes.invariance(model)
         record["models"][file.stem] = {
             "label": info["label"], "dataset": cfg.dataset, "router": cfg.model.router,
-            "trained_capacity_factor": explorer.trained_capacity(model), "moe_path": cfg.model.moe_path,
+            "trained_capacity_factor": modes.trained_capacity(model), "moe_path": cfg.model.moe_path,
             "invariant": invariant, "why": why,
-            "batch_dependence": inference.batch_dependence(model, images, regroupings=4, seed=0),
+            "batch_dependence": evaluate.batch_dependence(model, images, regroupings=4, seed=0),
             "capacity_sweep": inference.capacity_sweep(model, subset, FACTORS, regroupings=2, seed=2),
             "attack": _attack_rows(model, images, args.victims),
             "seconds": None}

@@ -7,7 +7,7 @@ test images are grouped (``mechanisms.batch_dependence``). DeepSeek-V3 drops no 
 (its Sec. 2.1.2). This script loads every v2 run's final checkpoint (``runs/routing_2024_v2/ARM-sSEED``,
 made by ``routing_2024_v2.sh``) and measures its test accuracy twice on the 10,000 test images in
 file order: as trained (the recorded number, recomputed as a check) and with every MoE layer on the
-dropless path (:func:`mini_moe.evaluate.dropless_mode`). Results go to
+dropless path (:func:`mini_moe.modes.dropless_mode`). Results go to
 ``mini_moe/results/routing_2024_v2-dropless_eval-<MACHINE>.json``, rewritten after every run, so
 the script resumes where it stopped::
 

@@ -187,11 +187,9 @@ def measure(model, images, labels, *, batch: int, start_experts=None) -> tuple[d
     """The probe-set measurements of ``model`` (eval mode; the model is left as it was):
     ``(row, arrays)``, ``arrays`` the per-layer top-1 experts (for the agreement with the last step)
     and the experts' parameters."""
-    with evaluate.eval_mode(model):
-        # the jitted forward pass that routing_record compiles too (one compilation per model)
-        logits = np.concatenate([np.asarray(evaluate._forward(model, images[i:i + batch], return_routing=True).logits,
-                                            np.float64)
-                                 for i in range(0, len(images), batch)])
+    # the evaluation pass routing_record runs too (one compilation per model)
+    logits = np.concatenate([np.asarray(out.logits[:n], np.float64)
+                             for out, n in evaluate.forward_batches(model, images, batch_size=batch, routing=True)])
     ce = float(np.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels)))
     row = {"loss": ce, "accuracy": float(np.mean(logits.argmax(-1) == labels)), "layers": []}
     arrays = {}

@@ -142,6 +142,8 @@ class TopPGates(Affinity):
 
     BALANCE_LOSSES = ("switch", "none")
 
+    pick_rule = "top-p"
+
     def __init__(self, dim, num_experts, *, threshold=0.4, entropy_weight=1e-2, balance_loss="switch",
                  balance_scope="group", target_k=None, threshold_rate=0.01, deterministic=False, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)

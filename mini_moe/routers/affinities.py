@@ -19,7 +19,29 @@ from mini_moe.validate import InputError, check_int
 
 
 class Affinity(nnx.Module):
-    """Base affinity: a linear map ``W [D, E]`` from tokens to expert logits."""
+    """Base affinity: a linear map ``W [D, E]`` from tokens to expert logits.
+
+    Class attributes declare what code outside the router would otherwise guess from its class
+    (an affinity written outside the package sets the ones that differ, one line each):
+
+    * ``per_token``: a token's scores depend on that token alone (True), or on the whole routing
+      group (the transport plans, the hash control's centring): :func:`mini_moe.modes.invariance`;
+    * ``softmax_choice``: each token's distribution over experts is the softmax it routes by, so
+      its entropy says how sure the router is (:mod:`mini_moe.diagnose`);
+    * ``balances_group``: the scores already balance the group's load (a transport plan);
+    * ``balance_knob``: the router option that balances its load (``"balance_loss"``,
+      ``"bias_rate"``), if any;
+    * ``pick_rule``: for a number of picks that varies per token (``TokenChoice(min_score=...)``),
+      its name (``"relu"``, ``"top-p"``);
+    * ``bias_moves`` (a property): a balancing bias is supposed to move in training.
+    """
+
+    per_token = True
+    softmax_choice = False
+    balances_group = False
+    balance_knob = None
+    pick_rule = None
+    bias_moves = False
 
     def __init__(self, dim: int, num_experts: int, *, rngs: nnx.Rngs):
         check_int("dim", dim)
@@ -37,6 +59,8 @@ class Affinity(nnx.Module):
 
 class Softmax(Affinity):
     """``softmax(XW)`` (Expert Choice's affinity, paper 000 Sec. 2.3)."""
+
+    softmax_choice = True
 
     def __call__(self, x: Array, budget: Budget) -> Affinities:
         probs = jax.nn.softmax(self.logits(x), axis=-1)
@@ -61,6 +85,9 @@ class NoisySoftmax(Affinity):
     Every loss is also reported in the metrics, whichever of them is trained. The load loss
     and the Switch loss count the allocation's k experts per token.
     """
+
+    softmax_choice = True
+    balance_knob = "balance_loss"
 
     BALANCE_LOSSES = ("importance_load", "switch", "none")
 
@@ -110,6 +137,9 @@ class SinkhornPlan(Affinity):
       num_iters, epsilon: see :func:`mini_moe.transport.sinkhorn`.
     """
 
+    per_token = False  # a plan balances the whole group's tokens together
+    balances_group = True
+
     def __init__(self, dim, num_experts, *, softmax_combine=True, num_iters=20, epsilon=1.0, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
         check_int("num_iters", num_iters)
@@ -135,6 +165,9 @@ class QuadraticPlan(Affinity):
     regulariser the exact analogue is :func:`mini_moe.transport.quadratic_plan`.
     """
 
+    per_token = False  # a plan balances the whole group's tokens together
+    balances_group = True
+
     def __init__(self, dim, num_experts, *, num_iters=20, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
         check_int("num_iters", num_iters)
@@ -150,6 +183,8 @@ class SparsityConstrainedPlan(Affinity):
     """The sparsity-constrained plan of ``softmax(XW)`` (paper 000 eq. 9, Sec. 2.5) with at
     most C tokens per expert (the allocation's capacity); combine weights from the softmax.
     Metrics add the solver's iterations and token-marginal error."""
+
+    per_token = False  # a plan balances the whole group's tokens together
 
     def __init__(self, dim, num_experts, *, tol=1e-3, max_iters=30, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
@@ -178,6 +213,8 @@ class SlotLogits(nnx.Module):
       slots_per_expert: S (paper 002's best setting is 1).
       normalize: use the l2 normalisation and scale (paper 002, Sec. 2.3).
     """
+
+    per_token = True  # a token's slot logits; the allocation mixes the tokens of one image
 
     def __init__(self, dim, num_experts, *, slots_per_expert=1, normalize=True, rngs: nnx.Rngs):
         check_int("dim", dim)

@@ -18,8 +18,36 @@ from mini_moe.validate import InputError, check_int
 # ----------------------------------------------------------------------------- allocations
 
 
+class Allocation:
+    """What every allocation answers, so that code outside it never asks which class it is.
+
+    Attributes:
+      name: ``"token"``, ``"expert"`` or ``"soft"``, as :func:`mini_moe.routers.register` names it.
+      per_image: it routes the tokens of each image on their own (Soft MoE), whatever the group.
+      supports_dropless: it has a dropless path (:func:`mini_moe.layer.moe_sorted`; Token Choice).
+      null_experts: Z, the affinity's last Z columns are null experts (Token Choice only).
+    """
+
+    name = ""
+    per_image = False
+    supports_dropless = False
+    null_experts = 0
+
+    def check(self, num_experts: int) -> None:
+        """Refuse a router of ``num_experts`` columns this allocation cannot serve."""
+
+    def picks(self, affinities: Affinities) -> Array | None:
+        """``bool [..., T, E (+ Z)]``: the experts each token picks before any capacity cut; None
+        when the allocation makes no per-token picks (experts pick tokens, or slots mix them)."""
+        return None
+
+    def null_gates(self, affinities: Affinities) -> Array | None:
+        """The null experts' combine weights ``[..., T, Z]``; None without null experts."""
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
-class TokenChoice:
+class TokenChoice(Allocation):
     """Algorithm 1 (paper 000): every token picks its top ``k`` experts, each expert keeps the
     first C = round(capacity_factor * T / E) in token order (Batch Priority Routing: by score).
 
@@ -47,7 +75,8 @@ class TokenChoice:
     min_score: float | None = None
     pick_bound: float | None = None
     null_experts: int = 0
-    per_image = False
+    name = "token"
+    supports_dropless = True
 
     def __post_init__(self):
         check_int("k", self.k)
@@ -86,13 +115,15 @@ class TokenChoice:
             return dict(scores=affinities.scores, combine_scores=affinities.combine, k=self.k, min_score=self.min_score)
         scores = affinities.scores
         real = scores.shape[-1] - self.null_experts
-        picked = self._picked(scores)[..., :real]
+        picked = self.picks(affinities)[..., :real]
         sentinel = jnp.finfo(scores.dtype).min
         return dict(scores=jnp.where(picked, scores[..., :real], sentinel), combine_scores=combine[..., :real],
                     k=min(self.k, real), min_score=float(sentinel))
 
-    def _picked(self, scores):
-        """``[..., T, E + Z]`` bool: the picks each token makes, its top k (above ``min_score``)."""
+    def picks(self, affinities: Affinities) -> Array:
+        """``bool [..., T, E + Z]``: the picks each token makes, its top k of the scores (those
+        above ``min_score``; the affinity's balancing bias, if any, is in the scores)."""
+        scores = affinities.scores
         values, picks = jax.lax.top_k(scores, self.k)
         made = jnp.ones(values.shape, bool) if self.min_score is None else values > self.min_score
         return jnp.any(jax.nn.one_hot(picks, scores.shape[-1], dtype=bool) & made[..., None], axis=-2)
@@ -103,7 +134,7 @@ class TokenChoice:
         if not self.null_experts:
             return None
         combine = affinities.scores if affinities.combine is None else affinities.combine
-        picked = self._picked(affinities.scores)[..., -self.null_experts:]
+        picked = self.picks(affinities)[..., -self.null_experts:]
         return jnp.where(picked, combine[..., -self.null_experts:], 0)
 
     def __call__(self, affinities: Affinities, budget: Budget) -> routing.Routing:
@@ -114,20 +145,17 @@ class TokenChoice:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExpertChoice:
+class ExpertChoice(Allocation):
     """Algorithm 2 (paper 000; Zhou et al. 2022): every expert picks its top
     C = round(capacity_factor * T / E) tokens (at most T)."""
 
     capacity_factor: float = 1.0
-    per_image = False
+    name = "expert"
 
     def __post_init__(self):
         if not self.capacity_factor > 0:
             raise InputError(f"capacity_factor must be > 0, got {self.capacity_factor!r}.")
         object.__setattr__(self, "capacity_factor", float(self.capacity_factor))
-
-    def check(self, num_experts: int) -> None:
-        pass
 
     def budget(self, num_tokens: int, num_experts: int) -> Budget:
         return Budget(1, min(num_tokens, routing.capacity(num_tokens, num_experts, self.capacity_factor)))
@@ -140,7 +168,7 @@ SOFT_MOE_ABLATIONS = ("soft", "soft/uniform", "uniform/soft", "uniform", "identi
 
 
 @dataclasses.dataclass(frozen=True)
-class SoftRouting:
+class SoftRouting(Allocation):
     """Soft MoE's allocation (paper 002), for the tokens of one image: dispatch is a softmax of
     the slot logits over tokens, combine a softmax over all (expert, slot) pairs.
 
@@ -152,14 +180,12 @@ class SoftRouting:
     """
 
     ablation: str = "soft"
+    name = "soft"
     per_image = True
 
     def __post_init__(self):
         if self.ablation not in SOFT_MOE_ABLATIONS:
             raise InputError(f"ablation must be one of {SOFT_MOE_ABLATIONS}, got {self.ablation!r}.")
-
-    def check(self, num_experts: int) -> None:
-        pass
 
     def budget(self, num_tokens: int, num_experts: int) -> Budget:
         return Budget(1, 0)  # the slots are the affinity's parameters

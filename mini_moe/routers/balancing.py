@@ -68,6 +68,13 @@ class SigmoidGates(Affinity):
     picks per expert in this call).
     """
 
+    balance_knob = "bias_rate"
+
+    @property
+    def bias_moves(self) -> bool:
+        """The loss-free bias moves in training (``bias_rate > 0``)."""
+        return self.bias_rate > 0
+
     def __init__(self, dim, num_experts, *, bias_rate=1e-3, seq_balance=0.0, balance_scope="group", num_groups=1,
                  top_groups=1, deterministic=False, rngs: nnx.Rngs):
         super().__init__(dim, num_experts, rngs=rngs)
@@ -190,6 +197,8 @@ class ReluGates(Affinity):
     """
 
     L1_SCOPES = ("model", "layer")
+
+    pick_rule = "relu"
 
     def __init__(self, dim, num_experts, *, target_k=1, l1_init=1e-8, l1_rate=1.2, l1_scope="model",
                  deterministic=False, rngs: nnx.Rngs):

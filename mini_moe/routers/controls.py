@@ -64,6 +64,9 @@ class HashProjection(nnx.Module):
     overflow as for any Token Choice router.
     """
 
+    per_token = False  # it centres each token on its group's mean
+    learned = False  # a fixed partition: nothing about the task decides it
+
     def __init__(self, dim: int, num_experts: int, *, rngs: nnx.Rngs):
         check_int("dim", dim)
         check_int("num_experts", num_experts)

@@ -76,6 +76,11 @@ class NullGates(Affinity):
 
     BALANCES = ("null_aware", "controller", "none")
 
+    @property
+    def bias_moves(self) -> bool:
+        """The real experts' bias moves in training (the ``"controller"`` balance, ``bias_rate > 0``)."""
+        return self.balance == "controller" and self.bias_rate > 0
+
     def __init__(self, dim, num_experts, *, null_experts, balance="null_aware", target_real=None, bias_rate=0.1,
                  renormalize=False, deterministic=False, rngs: nnx.Rngs):
         check_int("num_experts", num_experts)

@@ -67,27 +67,26 @@ class Router(nnx.Module):
         budget = self.allocation.budget(num_tokens, self.num_experts)
         affinities = self.affinity(x, budget)
         if dropless:
-            if not isinstance(self.allocation, TokenChoice):
+            if not self.allocation.supports_dropless:
                 raise InputError(f"dropless routing needs a Token Choice allocation, not "
                                  f"{type(self.allocation).__name__}; use the 'gather' or 'einsum' path.")
             budget = budget._replace(capacity=num_tokens)  # an expert can take every token once
         rt = self.allocation(affinities, budget)
         metrics = routing.routing_metrics(rt)
-        null_gates = None
-        if isinstance(self.allocation, TokenChoice):  # the demand before capacity cuts it
-            load = routing.pick_load(affinities.scores, k=self.allocation.k, min_score=self.allocation.min_score)
+        picks = self.allocation.picks(affinities)  # None: the allocation makes no per-token picks
+        if picks is not None:  # the demand before capacity cuts it
+            load = picks.reshape(-1, picks.shape[-1]).sum(0).astype(jnp.float32)  # [E + Z]
             real = self.num_experts - self.allocation.null_experts
             metrics["max_violation"] = routing.max_violation(load[:real])
-            metrics["pick_load"] = load  # [E + Z]: an accumulated step's MaxVio comes from the summed loads
-            null_gates = self.allocation.null_gates(affinities)
-            if null_gates is not None:  # picks per token, before capacity: real experts and null ones
+            metrics["pick_load"] = load  # an accumulated step's MaxVio comes from the summed loads
+            if self.allocation.null_experts:  # picks per token, before capacity: real experts and null ones
                 tokens = math.prod(np.shape(x)[:-1])
                 metrics["real_picks"] = jnp.sum(load[:real]) / tokens
                 metrics["null_picks"] = jnp.sum(load[real:]) / tokens
         metrics.update(affinities.metrics)
         probs = affinities.probs if affinities.probs is not None else rt.combine.sum(axis=-1)
         return RouterOutput(rt, jnp.asarray(affinities.aux_loss, jnp.float32), metrics, probs, affinities,
-                            null_gates)
+                            self.allocation.null_gates(affinities), picks)
 
 
 # ---------------------------------------------------------------------------- the registry

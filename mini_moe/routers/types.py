@@ -30,6 +30,10 @@ class RouterOutput:
       null_gates: ``[..., T, Z]`` the combine weights of the Z null experts (0 where a token
         did not pick one; see ``TokenChoice.null_experts``), or None without null experts. The
         routing tensors then cover the E real experts only.
+      picks: ``bool [..., T, E (+ Z)]`` the experts each token picked, before any capacity cut
+        (null experts' columns last), as the allocation made them: the one record of "which
+        experts did this token choose" that evaluation reads; None for an allocation that makes
+        no per-token picks (Expert Choice, Soft MoE). Under ``jit`` it costs nothing unless read.
     """
 
     routing: routing.Routing
@@ -38,6 +42,7 @@ class RouterOutput:
     probs: Array
     affinities: Any = None
     null_gates: Any = None
+    picks: Any = None
 
 
 class Budget(NamedTuple):
