@@ -45,7 +45,7 @@ from mini_moe import augment
 from mini_moe import layer, modes, parallel, stats
 from mini_moe import losses as losses_lib
 from mini_moe import routing as routing_lib
-from mini_moe.validate import InputError, check_int
+from mini_moe.validate import InputError, check_int, moved_names
 
 Array = Any
 
@@ -705,3 +705,8 @@ def order_views(v1, t1, v2, t2, *, out_size):
     first = np.where(s, v2, v1), augment.CropTransform(*[np.where(swap, b, a) for a, b in zip(t1, t2)])
     second = np.where(s, v1, v2), augment.CropTransform(*[np.where(swap, a, b) for a, b in zip(t1, t2)])
     return first[0], first[1], second[0], second[1]
+
+
+# Moved after 0.4.0 (issue 64); the old names warn for one release.
+__getattr__ = moved_names(__name__, {"eval_mode": "mini_moe.modes:eval_mode",
+                                     "dropless_mode": "mini_moe.modes:dropless_mode"})

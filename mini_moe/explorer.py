@@ -25,7 +25,7 @@ import sys
 import numpy as np
 
 from mini_moe import evaluate, modes
-from mini_moe.validate import InputError
+from mini_moe.validate import InputError, moved_names
 
 #: Okabe and Ito's colour-blind-safe palette, without its black (which marks dropped patches).
 PALETTE = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00", "#CC79A7", "#999999")
@@ -555,3 +555,9 @@ def book_data(*, count: int = 24, names=None, capacities=(0.5, 1.0, 2.0)) -> dic
                              "accuracy": info["accuracy"], "source": source | {"origin": info["origin"]}}
     first = {"split": "test", "first": count}
     return export(models, images, capacities=capacities, image_sources={d: first for d in images})
+
+
+# Moved after 0.4.0 (issue 64); the old names warn for one release.
+__getattr__ = moved_names(__name__, {"capacity": "mini_moe.modes:capacity",
+                                     "has_capacity": "mini_moe.modes:has_capacity",
+                                     "trained_capacity": "mini_moe.modes:trained_capacity"})

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mini_moe import evaluate, modes, stats
-from mini_moe.validate import InputError
+from mini_moe.validate import InputError, moved_names
 
 #: :func:`filler_attack`'s mitigations: Hayes et al.'s randomised batch order and capacity slack
 #: (their third, sampling experts from the gate weights, is not implemented here), and two this
@@ -365,3 +365,12 @@ def serving_difference(model, images: np.ndarray, batch_sizes=(1, 8, 64), *, ref
                      "changed_picks": [None if p is None else float(np.mean(np.any(p != r, -1)))
                                        for p, r in zip(picks, ref_picks)]})
     return rows
+
+
+# Moved after 0.4.0 (issue 64); the old names warn for one release.
+__getattr__ = moved_names(__name__, {
+    "batch_dependence": "mini_moe.evaluate:batch_dependence", "predictions": "mini_moe.evaluate:predictions",
+    "within_group_permutation": "mini_moe.evaluate:within_group_permutation",
+    "invariance": "mini_moe.modes:invariance", "batch_invariant": "mini_moe.modes:batch_invariant",
+    "INVARIANT_MODES": "mini_moe.modes:INVARIANT_MODES", "router_dtype": "mini_moe.modes:router_dtype",
+    "group_size": "mini_moe.modes:group_images"})

@@ -573,6 +573,8 @@ def _per_image_cases(rng):
         case("two identical images", np.concatenate([same, same]), 1, 3),
         case("every patch wants expert 0", rng.normal(size=(8, 4)) + np.array([4.0, 0, 0, 0]), 2, 4),
         case("capacity 1, four images", rng.normal(size=(8, 2)), 1, 2),
+        # equal scores for every expert: the tie goes to the lowest expert index (jax.lax.top_k)
+        case("patches that score every expert equally", np.concatenate([np.zeros((3, 3)), rng.normal(size=(3, 3))]), 1, 3),
     ]
     for i in range(6):
         n, p, e = int(rng.integers(2, 5)), int(rng.integers(2, 7)), int(rng.integers(2, 6))

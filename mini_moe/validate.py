@@ -43,3 +43,21 @@ def check_positive(name: str, value, *, integer: bool = False):
     if not valid:
         raise InputError(f"{name} must be > 0, got {value!r}.")
     return value
+
+
+def moved_names(module: str, moves: dict[str, str]):
+    """A module ``__getattr__`` for public names that moved (the CHANGELOG's promise: one release
+    with a ``DeprecationWarning``). ``moves`` maps an old name to ``"package.module:name"``;
+    reading the old name warns and returns the object at its new home."""
+    import importlib
+    import warnings
+
+    def __getattr__(name):
+        if name not in moves:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        home, _, new = moves[name].partition(":")
+        warnings.warn(f"{module}.{name} moved to {home}.{new}; the old name goes in the next release.",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), new)
+
+    return __getattr__

@@ -486,3 +486,25 @@ def test_fixed_shape_serving_is_bit_identical_across_batch_sizes(digits):
     assert [r["max_logit_difference"] for r in rows] == [0.0, 0.0, 0.0]
     assert all(r["changed_predictions"] == 0 and r["changed_picks"] == [0.0] for r in rows)
     assert all(r["max_logit_difference"] < 1e-4 for r in free)  # round-off at most, whatever the size
+
+
+@pytest.mark.parametrize("old, new", [
+    ("mini_moe.evaluate:eval_mode", "mini_moe.modes:eval_mode"),
+    ("mini_moe.evaluate:dropless_mode", "mini_moe.modes:dropless_mode"),
+    ("mini_moe.explorer:capacity", "mini_moe.modes:capacity"),
+    ("mini_moe.explorer:trained_capacity", "mini_moe.modes:trained_capacity"),
+    ("mini_moe.inference:batch_dependence", "mini_moe.evaluate:batch_dependence"),
+    ("mini_moe.inference:invariance", "mini_moe.modes:invariance"),
+    ("mini_moe.inference:batch_invariant", "mini_moe.modes:batch_invariant"),
+    ("mini_moe.inference:router_dtype", "mini_moe.modes:router_dtype"),
+    ("mini_moe.inference:group_size", "mini_moe.modes:group_images"),
+])
+def test_a_moved_name_still_works_for_one_release_with_a_warning(old, new):
+    import importlib
+
+    (old_module, old_name), (new_module, new_name) = (x.split(":") for x in (old, new))
+    with pytest.warns(DeprecationWarning, match=f"{old_name} moved to {new_module}.{new_name}"):
+        value = getattr(importlib.import_module(old_module), old_name)
+    assert value is getattr(importlib.import_module(new_module), new_name)
+    with pytest.raises(AttributeError):
+        importlib.import_module(old_module).no_such_name

@@ -164,6 +164,10 @@ MUTANTS = {
             lambda x: routing.token_choice(x, capacity=capacity).dispatch)(
             jnp.swapaxes(jnp.asarray(scores).reshape(patches, -1, scores.shape[-1]), 0, 1)), 0, 1).reshape(
             len(scores), scores.shape[-1], capacity),
+        # per image, but a tie between experts goes to the higher index
+        lambda scores, capacity, patches: jax.vmap(
+            lambda x: routing.token_choice(x[:, ::-1], capacity=capacity).dispatch[:, ::-1])(
+            jnp.asarray(scores).reshape(-1, patches, scores.shape[-1])).reshape(len(scores), scores.shape[-1], capacity),
         # per image, the last patch served first
         lambda scores, capacity, patches: jax.vmap(
             lambda x: routing.token_choice(x[::-1], capacity=capacity).dispatch[::-1])(
