@@ -20,10 +20,14 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.train` — training with checkpoints and exact resume.
 * :mod:`mini_moe.upcycle` — sparse upcycling: a dense ViT's MLPs copied into experts (with
   Drop-Upcycling's partial re-initialisation).
-* :mod:`mini_moe.evaluate` — accuracy, the 10-shot probe, routing diagnostics and mechanisms.
-* :mod:`mini_moe.inference` — routing at inference: batch dependence, the batch-invariant modes,
-  the test-time capacity sweep, the filler attack and its mitigations, ties, a bfloat16 router
-  and routing replay.
+* :mod:`mini_moe.evaluate` — the one evaluation pass, accuracy, the 10-shot probe, routing
+  records, batch dependence and mechanisms.
+* :mod:`mini_moe.modes` — run a trained model differently for a block (eval mode, another
+  capacity, dropless, per-image groups, the batch-invariant modes, a bfloat16 router, routing
+  replay), each restored afterwards.
+* :mod:`mini_moe.inference` — routing at inference: the test-time capacity sweep, the filler attack
+  with its controls and mitigations, ties, a bfloat16 router, routing replay and numerical batch
+  dependence across serving batch sizes.
 * :mod:`mini_moe.diagnose` — a health report of a trained MoE, with verdicts and hints
   (``python -m mini_moe diagnose RUN``).
 * :mod:`mini_moe.explorer` — the routing explorer: one image's patches by expert, dropped ones,
@@ -31,7 +35,9 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.labs` — graded labs: a student's router pieces checked against the library
   (``python -m mini_moe labs check FILE.py``), or a class (``labs grade FOLDER``); :mod:`mini_moe.labs_worker`
   runs a submission's code in a process of its own.
-* :mod:`mini_moe.study` — the head-to-head router study and its statistics.
+* :mod:`mini_moe.study` — the head-to-head router study.
+* :mod:`mini_moe.stats` — the statistics every comparison uses (paired t, Holm, Wilson, exact
+  McNemar, bootstrap).
 * :mod:`mini_moe.confirm` — the pre-registered confirmatory study on ``patch_vote``: its design
   as code, TOST, and the runner's bookkeeping.
 * :mod:`mini_moe.subtasks` — the controlled experiment where the right routing is known.

@@ -185,7 +185,7 @@ def comparisons(cells: list[dict]) -> tuple[list[int], list[dict]]:
     """The contrasts on the complete seeds (every arm finished): ``(seeds, rows)``.
 
     Each row: ``name``, ``claim``, ``source``, ``arms`` (first, second: a positive
-    ``difference`` favours the first), the :func:`mini_moe.study.paired_t` statistics of the
+    ``difference`` favours the first), the :func:`mini_moe.stats.paired_t` statistics of the
     per-seed differences (``difference``, ``stderr``, ``ci_low``, ``ci_high``, ``t``, ``df``,
     ``pairs``), ``p`` (two-sided), ``p_holm`` (Holm over the contrasts), ``tost_p`` and
     ``tost_p_holm`` (equivalence within +-:data:`BOUND`, Holm over the contrasts) and the

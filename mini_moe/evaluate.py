@@ -33,7 +33,6 @@ dropless=True)`` evaluates with no pick dropped.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import jax
@@ -74,12 +73,12 @@ def forward_batches(model, images: np.ndarray, *, batch_size: int = 400, routing
 
 def _padded_chunks(model, images: np.ndarray, batch_size: int):
     """:func:`forward_batches`' batches as NumPy arrays ``(chunk, n)``: ``batch_size`` rounded
-    down to whole routing groups of the configuration and of the routing as it is now (the same
-    number, or 1 in a per-image mode, so a mode never changes how the batches are cut), times the
-    devices of a sharded model; the last padded with copies of its own images."""
+    down to whole routing groups as the model routes now (:func:`mini_moe.modes.group_images`: any
+    size in a per-image mode), times the devices of a sharded model; the last padded with copies
+    of its own images."""
     images = np.asarray(images)
     mesh = parallel.model_mesh(model)
-    group = math.lcm(model.cfg.group_images, modes.group_images(model)) * (1 if mesh is None else mesh.size)
+    group = modes.group_images(model) * (1 if mesh is None else mesh.size)
     size = max(group, batch_size - batch_size % group)
     for start in range(0, len(images), size):
         chunk = images[start:start + size]
@@ -114,7 +113,7 @@ def features(model, images: np.ndarray, *, batch_size: int = 256) -> np.ndarray:
 def accuracy(model, dataset, *, batch_size: int = 512, dropless: bool = False) -> float:
     """Top-1 accuracy over a dataset (images already normalised like the training data), the
     images in their order, in batches of ``batch_size`` routed in the model's groups. With
-    ``dropless=True`` every MoE layer runs on the dropless path (:func:`dropless_mode`): no pick
+    ``dropless=True`` every MoE layer runs on the dropless path (:func:`~mini_moe.modes.dropless_mode`): no pick
     is dropped, so the result no longer depends on how the images are grouped."""
     with modes.dropless_mode(model) if dropless else contextlib.nullcontext():
         logits = _collect(model, dataset.images, "logits", batch_size)

@@ -404,7 +404,7 @@ def export(models: dict, images: dict, *, capacities=(0.5, 1.0, 2.0), image_sour
         its dataset's images, one forward per capacity factor. They are drawn rescaled to [0, 1]
         per image.
       capacities: the factors offered, with each model's trained one added; a model without a
-        capacity (:func:`has_capacity`) has one
+        capacity (:func:`~mini_moe.modes.has_capacity`) has one
         view per layer and image, under the key ``"none"``.
       image_sources: dataset name -> where its images come from (any JSON), kept like ``source``.
 

@@ -279,7 +279,7 @@ def _chosen_sets(model, images, batch_size) -> list[np.ndarray | None]:
 
 def precision_mismatch(model, images: np.ndarray, *, dtype="bfloat16", batch_size: int = 400) -> list[dict]:
     """Per MoE layer, the share of patches whose set of picked experts changes when routers
-    compute in ``dtype`` instead of float32 (the set the router reports, :func:`_chosen_sets`):
+    compute in ``dtype`` instead of float32 (the set the router reports):
 
     * ``"isolated"``: only this layer's router in ``dtype`` (the layers below are unchanged, so
       the difference is this router's own rounding);
@@ -342,18 +342,27 @@ def serving_difference(model, images: np.ndarray, batch_sizes=(1, 8, 64), *, ref
     Even where routing makes a prediction depend on the image alone (:func:`mini_moe.modes.invariance`),
     a kernel's reduction order can depend on the batch's shape, so the last bits change with the
     serving batch size (what vLLM's and SGLang's batch-invariant modes remove on GPUs).
-    ``fixed_batch``: every batch is padded to ``fixed_batch`` images whatever the size served
-    (one compiled shape), the way to make the results bit-identical across batch sizes here."""
+    ``fixed_batch``: every batch, the reference's too, is padded to ``fixed_batch`` images whatever
+    the size served (one compiled shape; sizes above it are refused, and ``reference`` is ignored),
+    the way to make the results bit-identical across batch sizes on this CPU. A batch of ``size``
+    images is padded with copies of its own images to a whole number of routing groups (a batch of
+    one image needs no padding where each image is its own group, :func:`mini_moe.modes.per_image_groups`)."""
     images = np.asarray(images)
+    if fixed_batch is not None:
+        if max(batch_sizes) > fixed_batch:
+            raise InputError(f"batch_sizes must be at most fixed_batch={fixed_batch}, got {list(batch_sizes)}.")
+        reference = fixed_batch
+    group = modes.group_images(model)
 
     def serve(size):
         pad = size if fixed_batch is None else fixed_batch
+        pad += -pad % group  # whole routing groups
         logits, picks = [], []
         for start in range(0, len(images), size):
             chunk = images[start:start + size]
-            for out, n in evaluate.forward_batches(model, chunk, batch_size=max(pad, len(chunk)), routing=True):
-                logits.append(np.asarray(out.logits[:n]))
-                picks.append([None if p is None else np.asarray(p[:n]) for p in out.picks])
+            (out, n), = evaluate.forward_batches(model, chunk, batch_size=pad, routing=True)
+            logits.append(np.asarray(out.logits[:n]))
+            picks.append([None if p is None else np.asarray(p[:n]) for p in out.picks])
         return np.concatenate(logits), [None if layer[0] is None else np.concatenate(layer) for layer in zip(*picks)]
 
     ref_logits, ref_picks = serve(reference)

@@ -15,8 +15,8 @@ stability). Each cell trains into its own folder under ``out_dir`` and leaves a
 resumes an interrupted one from its checkpoint. ``results.json`` (all cells plus mean and
 standard deviation per router and capacity) is rewritten after every cell.
 
-The statistics are paired over seeds (:func:`paired_t`, :func:`compare`), corrected for the
-number of comparisons (:func:`holm`), planned with :func:`seeds_for_power`, and paper 000's
+The statistics are paired over seeds (:func:`~mini_moe.stats.paired_t`, :func:`compare`), corrected for the
+number of comparisons (:func:`~mini_moe.stats.holm`), planned with :func:`seeds_for_power`, and paper 000's
 "allocation matters more than affinity" is tested by :func:`allocation_vs_affinity`.
 """
 
@@ -222,10 +222,10 @@ def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", 
     order, and the initial weights of models of the same shape). For the same reason the
     differences at several capacities of one seed are not independent: they are averaged into
     one difference per seed, and the seeds are the pairs of the test. Returns
-    :func:`paired_t` of those per-seed differences: ``difference`` (mean), ``stderr``,
+    :func:`~mini_moe.stats.paired_t` of those per-seed differences: ``difference`` (mean), ``stderr``,
     ``pairs`` (seeds), ``t``, ``df``, ``p_value`` (two-sided) and the ``level`` confidence
     interval ``ci_low``, ``ci_high``. A study that reports several comparisons should adjust
-    their p-values together (:func:`holm`).
+    their p-values together (:func:`~mini_moe.stats.holm`).
 
     Args:
       cells: the ``cells`` of a study's results.
@@ -253,7 +253,7 @@ def compare(cells: list[dict], better, worse, *, metric: str = "test_accuracy", 
 
 def verdict(row: dict, *, what: str = "", unit: str = "", scale: float = 1.0, digits: int = 2,
             higher: str = "higher", lower: str = "lower", alpha: float = 0.05) -> str:
-    """A comparison's result in words, from a :func:`compare` / :func:`paired_t` row with ``p_holm``.
+    """A comparison's result in words, from a :func:`compare` / :func:`~mini_moe.stats.paired_t` row with ``p_holm``.
 
     ``"no detectable difference (+0.12 points, p_Holm = 0.3)"`` when the Holm-adjusted p-value is
     at least ``alpha``, else ``"higher by 0.52 points (95 % CI [+0.21, +0.83], p_Holm = 0.004)"``
@@ -358,7 +358,7 @@ def allocation_vs_affinity(cells: list[dict], *, metric: str = "test_accuracy", 
     pairs that differ only in the allocation (:data:`ALLOCATION_PAIRS`: the same affinity with
     Token Choice or Expert Choice) minus the same over the pairs that differ only in the
     affinity (:data:`AFFINITY_PAIRS`: the same allocation, another affinity); averages the
-    capacities of each seed and returns :func:`paired_t` over seeds. Noise inflates both means
+    capacities of each seed and returns :func:`~mini_moe.stats.paired_t` over seeds. Noise inflates both means
     alike, so a positive mean says changing the allocation moves accuracy more.
     """
     table: dict[tuple, dict[str, float]] = {}
@@ -385,7 +385,7 @@ def claims(cells: list[dict], *, metric: str = "test_accuracy", level: float = 0
 
     Each row: ``claim``, ``source``, the :func:`compare` (or :func:`allocation_vs_affinity`)
     statistics (``difference`` = better minus worse, ``ci_low``, ``ci_high``, ``t``, ``df``,
-    ``pairs``, ``p_value``) and ``p_holm``, the p-value adjusted by :func:`holm` over every row
+    ``pairs``, ``p_value``) and ``p_holm``, the p-value adjusted by :func:`~mini_moe.stats.holm` over every row
     (the family). A claim holds at level 0.05 when ``difference > 0`` and ``p_holm < 0.05``.
     Rows whose routers have no cells yet (a study still running) are left out.
     """

@@ -328,7 +328,7 @@ def run_experiment(out_path, *, routers=ROUTER_CHOICES, frequencies=FREQUENCIES,
 
 def paired(results: dict, better: str, worse: str, *, frequencies: str, capacity: float = 1.0,
            metric: str = "fvu", lower_is_better: bool = True) -> dict:
-    """:func:`mini_moe.study.paired_t` of ``better`` against ``worse`` over the seeds both ran
+    """:func:`mini_moe.stats.paired_t` of ``better`` against ``worse`` over the seeds both ran
     (same data, same training tokens): the difference is oriented so that a positive mean says
     ``better`` is better (for FVU: ``worse``'s minus ``better``'s)."""
     final = {}

@@ -271,14 +271,16 @@ def _bf16(x):
 
 
 def test_precision_mismatch_equals_a_direct_bfloat16_computation(digits):
-    """Near-tied routers (small weights): bfloat16 logits change some top-1 picks. Each layer's
-    ``isolated`` share equals a direct computation from that layer's float32 input: input and
-    kernel rounded to bfloat16, the exact products summed in float32, the sum rounded once."""
+    """Near-tied routers (every expert's column close to one shared column): bfloat16 logits change
+    some top-1 picks. Each layer's ``isolated`` share equals a direct computation from that
+    layer's float32 input (input and kernel rounded to bfloat16, the exact products summed, the
+    sum rounded once), and in the second layer it differs from ``cascade``, whose input the first
+    layer's changed picks moved: a bfloat16 mode that rounded every router for ``isolated`` fails."""
     model = _model("softmax_token_choice", model_depth=4, model_router_kwargs={"k": 1, "noise_std": 0.0})
     for mlp in modes.moe_layers(model):
         kernel = mlp.router.affinity.dense.kernel
-        kernel[...] = kernel[...] * 0.02  # logits within a few bfloat16 steps of each other
-    images = digits[1].images[:64]
+        kernel[...] = kernel[...][:, :1] + 0.03 * kernel[...]  # logits within a few bfloat16 steps of each other
+    images = digits[1].images[:128]
     same = inference.precision_mismatch(model, images, dtype="float32")
     assert all(r == {"isolated": 0.0, "cascade": 0.0} for r in same)
     rows = inference.precision_mismatch(model, images)
@@ -290,6 +292,7 @@ def test_precision_mismatch_equals_a_direct_bfloat16_computation(digits):
         expected = np.mean(exact.argmax(-1) != rounded.argmax(-1))
         assert row["isolated"] == pytest.approx(expected, abs=1 / x[..., 0].size)  # one patch of slack
     assert rows[0]["isolated"] > 0 and rows[0]["isolated"] == rows[0]["cascade"]  # nothing below layer 1 changes
+    assert abs(rows[1]["cascade"] - rows[1]["isolated"]) > 1 / inputs[1][..., 0].size
     assert type(model.blocks[1].mlp.router.affinity.dense).__name__ == "Linear"  # restored
     assert set(inference.precision_mismatch(_model("soft_moe"), images)) == {None}
 

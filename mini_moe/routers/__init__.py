@@ -12,8 +12,14 @@ under a capacity. Here both are small first-class pieces and a :class:`Router` i
   :class:`SinkhornPlan` (eq. 8), :class:`QuadraticPlan` (SVMoE), :class:`SparsityConstrainedPlan`
   (eq. 9), :class:`SlotLogits` (Soft MoE's l2-normalised slot logits) and
   :class:`HashProjection` (a fixed random projection that nothing learns, a routing control);
-* allocations (frozen dataclasses, no parameters): :class:`TokenChoice` (Algorithm 1, k and
-  Batch Priority Routing), :class:`ExpertChoice` (Algorithm 2) and :class:`SoftRouting`.
+* allocations (frozen dataclasses, no parameters, on :class:`Allocation`): :class:`TokenChoice`
+  (Algorithm 1, k and Batch Priority Routing), :class:`ExpertChoice` (Algorithm 2) and
+  :class:`SoftRouting`.
+
+Affinities and allocations declare what code outside the router needs to know (an affinity's
+``per_token``, ``softmax_choice``, ``balance_knob``, ...; an allocation's ``name``, ``per_image``,
+``supports_dropless``), and a router reports the picks it made (:attr:`RouterOutput.picks`), so
+evaluation never asks which class a router is.
 
 An affinity also says where the combine weights come from (the OT plans take positions from
 the plan and, with ``softmax_combine=True``, weights from softmax(XW); paper 000 Sec. 3.4).
@@ -93,7 +99,7 @@ from mini_moe import losses, routing, transport  # noqa: F401
 from mini_moe.routers.adaptive import TopPGates, TopPThreshold, top_p, top_p_mask
 from mini_moe.routers.affinities import (Affinity, NoisySoftmax, QuadraticPlan, SinkhornPlan, SlotLogits, Softmax,
                                          SparsityConstrainedPlan, l2_normalize)
-from mini_moe.routers.allocations import SOFT_MOE_ABLATIONS, ExpertChoice, SoftRouting, TokenChoice
+from mini_moe.routers.allocations import SOFT_MOE_ABLATIONS, Allocation, ExpertChoice, SoftRouting, TokenChoice
 from mini_moe.routers.balancing import ExpertBias, L1Weight, ReluGates, SigmoidGates, update_l1_weights
 from mini_moe.routers.controls import FrozenWeight, HashProjection, freeze
 from mini_moe.routers.papers import (group_limited, hash_router, remoe, sigmoid_loss_free, sinkhorn_expert_choice,
@@ -118,7 +124,7 @@ __all__ = [
     "update_l1_weights", "StatefulAffinity", "after_forward", "after_step", "defer_updates",
     "SinkhornPlan", "QuadraticPlan", "SparsityConstrainedPlan", "l2_normalize", "SlotLogits",
     "FrozenWeight", "freeze", "HashProjection",
-    "TokenChoice", "ExpertChoice", "SOFT_MOE_ABLATIONS", "SoftRouting",
+    "Allocation", "TokenChoice", "ExpertChoice", "SOFT_MOE_ABLATIONS", "SoftRouting",
     "Router",
     "ALLOCATIONS", "ALLOCATION_CLASSES", "RouterSpec", "ROUTERS", "register", "make_router", "per_image", "spec",
     "softmax_token_choice", "sigmoid_loss_free", "group_limited", "remoe", "hash_router", "sinkhorn_token_choice",
