@@ -670,20 +670,47 @@ def test_a_variable_pick_router_registered_outside_the_package_runs_everywhere(v
     assert view["experts_per_patch"].max() == layer["picks"][1].max()
 
 
-@pytest.mark.parametrize("router", [None] + sorted(config_lib.routers_lib.ROUTERS))
-def test_full_configuration_builds_and_takes_two_training_steps(router):
-    """The configuration readers run on a GPU/TPU (CIFAR-10, ``full``: D=192, depth 8, 16 experts)
-    cannot rot on a CPU-only CI: each router's model is built and takes two AdamW steps on a small
-    batch (one routing group); the loss stays finite and every trained parameter moves."""
+def _full_model(router):
     cfg = config_lib.get_config("full", dataset="cifar10", router=router, steps=2, batch_size=8)
     assert (cfg.model.dim, cfg.model.depth, cfg.model.num_experts) == (192, 8, 16)
     model = train.make_model(cfg)
-    optimizer = train.make_optimizer(model, cfg)
-    before = jax.tree.leaves(nnx.state(model, nnx.Param))
-    images = jax.random.normal(jax.random.key(0), (8, 32, 32, 3))
-    labels = jnp.arange(8) % 10
-    for _ in range(2):
+    return cfg, model, train.make_optimizer(model, cfg)
+
+
+FULL_BATCH = (jax.random.normal(jax.random.key(0), (8, 32, 32, 3)), jnp.arange(8) % 10)
+
+
+@pytest.mark.parametrize("router", [None] + sorted(config_lib.routers_lib.ROUTERS))
+def test_full_configuration_builds_and_traces_a_training_step(router):
+    """The configuration readers run on a GPU/TPU (CIFAR-10, ``full``: D=192, depth 8, 16 experts)
+    cannot rot on a CPU-only CI: each router's model is built at that size and its AdamW step is
+    traced (``jax.eval_shape``: every shape and dtype of the step is computed, nothing is compiled)
+    on one routing group; the step hands back a state of the same structure, shapes and dtypes, and
+    a float32 loss. Three of them also run (the next test); that a step moves every parameter of
+    every router is tests/test_routers.py's, at the quick size."""
+    cfg, model, optimizer = _full_model(router)
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, images, labels):
+        model, optimizer = nnx.merge(graphdef, state)
         stats = train.train_step(model, optimizer, images, labels, aux_weight=cfg.aux_loss_weight)
+        return stats, nnx.state((model, optimizer))
+
+    stats, after = jax.eval_shape(step, state, *FULL_BATCH)
+    assert stats["loss"].shape == () and stats["loss"].dtype == jnp.float32
+    assert jax.tree.structure(after) == jax.tree.structure(state)
+    assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state)))
+
+
+@pytest.mark.parametrize("router", [None, "softmax_token_choice", "sinkhorn_token_choice"])
+def test_full_configuration_takes_two_training_steps(router):
+    """The dense ViT, Token Choice and a transport plan at the full size run two AdamW steps: the
+    loss stays finite and every trained parameter moves (compiling each step takes most of a
+    minute on two cores, so the other routers are traced, above)."""
+    cfg, model, optimizer = _full_model(router)
+    before = jax.tree.leaves(nnx.state(model, nnx.Param))
+    for _ in range(2):
+        stats = train.train_step(model, optimizer, *FULL_BATCH, aux_weight=cfg.aux_loss_weight)
         assert np.isfinite(float(stats["loss"])) and np.isfinite(float(stats["aux_loss"]))
     after = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert all(not np.array_equal(a, b) for a, b in zip(before, after))
