@@ -113,10 +113,6 @@ def _key(k) -> str:
     return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
 
 
-def _moe_layers(model):
-    return [block.mlp for block in model.blocks if block.use_moe]
-
-
 def _tokens_per_group(model) -> int:
     return model.cfg.num_patches * modes.group_images(model)
 
@@ -130,7 +126,7 @@ def _fact(affinity, name: str, default):
 def _capacity_limited(model) -> bool:
     """True when a token's routing can depend on the other tokens of its group: a sparse
     allocation whose buffers hold fewer than the group's T tokens, off the dropless path."""
-    layer = _moe_layers(model)[0]
+    layer = modes.moe_layers(model)[0]
     allocation, tokens = layer.router.allocation, _tokens_per_group(model)
     if allocation.per_image or layer.path == "dropless":
         return False
@@ -142,7 +138,7 @@ def family(model) -> str:
     ``"token k=K c=C"``, ``"token k=K dropless"``, ``"relu c=C"`` / ``"relu dropless"`` (ReMoE),
     ``"top-p c=C"`` / ``"top-p dropless"``, ``"null k=K ..."`` (null experts in the choice set),
     ``"expert c=C"`` or ``"soft"``."""
-    layer = _moe_layers(model)[0]
+    layer = modes.moe_layers(model)[0]
     allocation = layer.router.allocation
     if allocation.name == "token":
         name = f"null k={allocation.k}" if allocation.null_experts else f"token k={allocation.k}"
@@ -158,7 +154,7 @@ def _forced_unpicked(model) -> float:
     """The share of tokens that no expert can take because E buffers of C slots hold fewer than
     the group's T tokens: ``max(0, 1 - E C / T)``."""
     tokens, experts = _tokens_per_group(model), model.cfg.routed_experts
-    router = _moe_layers(model)[0].router
+    router = modes.moe_layers(model)[0].router
     capacity = router.allocation.budget(tokens, router.num_experts).capacity  # per real expert
     return max(0.0, 1 - experts * capacity / tokens)
 
@@ -179,7 +175,7 @@ def thresholds(model) -> dict:
     * ``router_entropy``: softmax affinities only (the other routers' distributions are not one);
     * ``router_logit_lse_sq``: routers with the ``z_loss`` option; ``slot_sharpness``: Soft MoE.
     """
-    layer = _moe_layers(model)[0]
+    layer = modes.moe_layers(model)[0]
     allocation, affinity = layer.router.allocation, layer.router.affinity
     out = dict(THRESHOLDS)
     limited = _capacity_limited(model)
@@ -214,7 +210,7 @@ def _options(model) -> set[str]:
 def _fixes(model, problem: str) -> str:
     """The fixes that apply to ``model``'s router for ``problem`` (``"balance"`` or ``"drops"``),
     as a hint's ending; never one its router does not have."""
-    layer = _moe_layers(model)[0]
+    layer = modes.moe_layers(model)[0]
     allocation, affinity = layer.router.allocation, layer.router.affinity
     token = allocation.name == "token"
     knob = _fact(affinity, "balance_knob", None)
@@ -240,7 +236,7 @@ def _hint(model, metric: str, value: float, row: dict) -> str:
     if metric == "load_max_over_mean":
         return (f"one expert takes {value:.1f}x the mean share of first choices (and {row['dropped_tokens']:.0%} of "
                 f"tokens reach no expert): the router is collapsing" + _fixes(model, "balance"))
-    if metric == "dropped_tokens" and _moe_layers(model)[0].router.allocation.name == "expert":
+    if metric == "dropped_tokens" and modes.moe_layers(model)[0].router.allocation.name == "expert":
         return (f"{value:.0%} of tokens reach no expert, more than the {_forced_unpicked(model):.0%} its capacity "
                 "leaves no room for: the experts pick the same tokens; raise the capacity factor (router option "
                 "capacity_factor), or give the router more training")
@@ -340,9 +336,7 @@ def diagnose(model, images: np.ndarray, *, previous=None, trained_group_images: 
     the threshold (positive: none of them warns).
     """
     cfg = model.cfg
-    layers_cfg = _moe_layers(model)
-    if not layers_cfg:
-        raise InputError("diagnose needs a model with MoE layers; this one is dense (router=None).")
+    modes.moe_layers(model)  # refuses a dense model
     images = _check_images(model, images)
     preds, record = evaluate.routing_record(model, images, batch_size=batch_size)
     dependence = evaluate.batch_dependence(model, images, regroupings=1, permutations=0, seed=seed,
@@ -393,7 +387,7 @@ def _findings(model, layers, batch_dependence, rules, trained_group_images) -> l
     findings = _non_finite_findings(model, bad_weights)
     if any(not name.startswith(("head", "norm")) for name, _, _ in bad_weights):
         return findings  # the routing reads them: every routing metric is a consequence
-    for i, (row, module) in enumerate(zip(layers, _moe_layers(model))):
+    for i, (row, module) in enumerate(zip(layers, modes.moe_layers(model))):
         broken = sorted(k for k, v in row.items() if v is not None and not np.isfinite(v))
         if broken:
             z_loss = ", or add the z-loss (router option z_loss=0.1)" if "z_loss" in _options(model) else ""

@@ -477,12 +477,12 @@ def batch_dependence(model, images: np.ndarray, *, regroupings: int = 8, permuta
     reference = predictions(model, images, batch_size=batch_size) if reference is None else np.asarray(reference)
     regroup = [predictions(model, images, rng.permutation(len(images)), batch_size=batch_size) != reference
                for _ in range(regroupings)]
-    block = modes.group_images(model)
-    block = model.cfg.group_images if block == 1 else block
+    group = modes.group_images(model)
+    block = model.cfg.group_images if group == 1 else group
     permute = [predictions(model, images, within_group_permutation(len(images), block, rng),
                            batch_size=batch_size) != reference for _ in range(permutations)]
     return {"regroup": _dependence(regroup, seed), "permute": _dependence(permute, seed) if permute else None,
-            "images": len(images), "group_images": modes.group_images(model), "permute_block": block,
+            "images": len(images), "group_images": group, "permute_block": block,
             "regroupings": regroupings, "permutations": permutations}
 
 

@@ -245,10 +245,8 @@ class Explorer:
         widgets = _widgets()
 
         self.model, self.images, self.accuracy = model, np.asarray(images), accuracy
-        moe = [block for block in model.blocks if block.use_moe]
-        if not moe:
-            raise InputError("explore needs a model with MoE layers; this one is dense (router=None).")
-        self.soft = moe[0].mlp.router.per_image
+        moe = modes.moe_layers(model)  # refuses a dense model
+        self.soft = moe[0].router.per_image
         group = modes.group_images(model)
         usable = len(self.images) - len(self.images) % group  # images in complete routing groups
         if usable == 0:
@@ -307,9 +305,7 @@ def explore(model, images, *, capacities=(0.5, 1.0, 2.0), image: int = 0, layer:
             return explorer
         display(explorer.widget())
         return explorer
-    moe = [block for block in model.blocks if block.use_moe]
-    if not moe:
-        raise InputError("explore needs a model with MoE layers; this one is dense (router=None).")
+    modes.moe_layers(model)  # refuses a dense model
     factors = list(capacities) if modes.has_capacity(model) else [None]
     fig, axes = plt.subplots(2, len(factors), figsize=(3.4 * len(factors), 6.2), squeeze=False)
     for column, factor in enumerate(factors):
