@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import types
 from typing import Any, Callable
 
 import jax
@@ -604,6 +605,70 @@ register(Lab(
                  _image_slots_hold_one_token_of_the_image),),
     hint="chapter 17, 'Why a prediction can depend on its batch': which tokens may compete for a slot when the "
          "routing group is one image, and where does each image's slot count start?",
+))
+
+
+def _replay_selection_reference(logits, dispatch):
+    """Selection replay (:func:`mini_moe.modes.replay_selection`) of a recorded ``dispatch`` under a
+    live softmax router with ``logits``: V-MoE's affinity, whose combine weights come from its scores."""
+    from mini_moe import modes  # here, not at the top: modes imports the model and the routers
+    from mini_moe.routers.types import Affinities
+
+    dispatch = jnp.asarray(dispatch, jnp.float32)
+    live = types.SimpleNamespace(affinities=Affinities(scores=jax.nn.softmax(jnp.asarray(logits, jnp.float32), axis=-1)))
+    return modes.replay_selection(routing.Routing(dispatch, jnp.zeros_like(dispatch), sparse=True), live).combine
+
+
+def _replay_cases(rng):
+    """Live logits [T, E] and a recorded dispatch [T, E, C]: picks the live router would not make,
+    a dropped token, two picks per token, logits a naive softmax overflows on, and random ones."""
+    def recorded(picks, num_experts, capacity):
+        """dispatch [T, E, C] from (token, expert) picks, each expert's slots filled in token order."""
+        d = np.zeros((len(picks), num_experts, capacity), np.float32)
+        used = np.zeros(num_experts, int)
+        for t, experts in enumerate(picks):
+            for e in experts:
+                if used[e] < capacity:
+                    d[t, e, used[e]] = 1.0
+                    used[e] += 1
+        return d
+
+    def case(label, logits, picks, capacity):
+        logits = np.asarray(logits, np.float32)
+        return label, {"logits": logits, "dispatch": recorded(picks, logits.shape[-1], capacity)}
+
+    cases = [
+        case("one token, one expert", [[0.3]], [[0]], 1),
+        case("the live router prefers another expert", [[2.0, -1.0, 0.0], [0.5, 0.5, 0.0]], [[1], [2]], 2),
+        case("a token the record dropped", [[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], [[0], [], [1]], 1),
+        case("two picks per token", [[1.0, 2.0, 3.0, 0.0], [0.0, 0.0, 0.0, 0.0]], [[2, 1], [0, 3]], 2),
+        case("large logits (a naive exp overflows float32)", [[100.0, 98.0, -50.0], [-80.0, 120.0, 119.0]],
+             [[0], [2]], 1),
+    ]
+    for i in range(6):
+        t, e, k = int(rng.integers(2, 9)), int(rng.integers(2, 6)), int(rng.integers(1, 3))
+        k = min(k, e)
+        picks = [list(rng.choice(e, size=k, replace=False)) for _ in range(t)]
+        cases.append(case(f"random {i}", rng.normal(size=(t, e)) * rng.uniform(0.5, 4.0), picks,
+                          int(rng.integers(1, t + 1))))
+    return cases
+
+
+register(Lab(
+    name="ch17.replay_selection",
+    axes=(("token", "expert", "slot"),),
+    signature="(logits, dispatch)",
+    doc="Selection replay (chapter 17): the live router's logits [T, E] and a recorded "
+        "dispatch [T, E, C] (0/1: which slot of which expert each token used in the recorded pass) -> combine "
+        "[T, E, C]: the recorded slots, each weighted by the live router's gate for that expert, which for this "
+        "router (V-MoE's) is the softmax of the token's logits over all E experts at that expert, not renormalised "
+        "over the token's picks. A slot the record left empty has weight 0, whatever the live router prefers.",
+    reference=_replay_selection_reference,
+    cases=_replay_cases,
+    properties=(("a weight where the recorded dispatch is 0",
+                 lambda kw, out: bool(np.all(np.where(np.asarray(kw["dispatch"]) == 0, np.asarray(out), 0) == 0))),),
+    hint="chapter 17, 'Replaying the routing': which of the two tensors does selection replay take from the record, "
+         "and over which experts does V-MoE's softmax run?",
 ))
 
 

@@ -178,6 +178,16 @@ MUTANTS = {
             jnp.asarray(scores).reshape(-1, patches, scores.shape[-1])).reshape(len(scores), scores.shape[-1], -1),
             ((0, 0), (0, 0), (0, max(0, capacity - max(1, -(-capacity // (len(scores) // patches))))))),
     ],
+    "ch17.replay_selection": [
+        lambda logits, dispatch: _replayed(logits, dispatch, renormalise=True),  # gates renormalised over the picks
+        # the live router's own picks (Token Choice on the live softmax) instead of the recorded ones
+        lambda logits, dispatch: routing.token_choice(jax.nn.softmax(jnp.asarray(logits), -1),
+                                                      capacity=dispatch.shape[-1]).combine,
+        lambda logits, dispatch: jnp.asarray(dispatch),  # full replay with gates of 1: the router sets nothing
+        lambda logits, dispatch: _replayed(logits, dispatch, gates="logits"),  # the logits as gates
+        lambda logits, dispatch: _replayed(logits, dispatch, gates="naive"),  # exp(x) / sum exp(x): overflows
+        lambda logits, dispatch: _replayed(logits, dispatch, gates="over tokens"),  # softmax over the tokens
+    ],
     "ch18.drop_upcycle": [
         lambda **kw: _drop_upcycle(**kw, ddof=1),  # the sample standard deviation
         lambda **kw: _drop_upcycle(**kw, stats="per unit"),  # each unit's own column statistics
@@ -206,6 +216,19 @@ MUTANTS = {
                                      jnp.cumsum(jnp.bincount(expert, length=num_experts))),  # offsets, not sizes
     ],
 }
+
+
+def _replayed(logits, dispatch, *, renormalise=False, gates="softmax"):
+    """Selection replay in NumPy with the typical mistakes as switches (the right answer: the defaults)."""
+    x = np.asarray(logits, np.float32)
+    g = {"softmax": lambda: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True),
+         "logits": lambda: x, "naive": lambda: np.exp(x) / np.exp(x).sum(-1, keepdims=True),
+         "over tokens": lambda: np.exp(x - x.max(0)) / np.exp(x - x.max(0)).sum(0)}[gates]()
+    d = np.asarray(dispatch, np.float32)
+    if renormalise:
+        kept = g * d.sum(-1)
+        g = kept / np.maximum(kept.sum(-1, keepdims=True), 1e-30)
+    return d * g[..., None]
 
 
 def _drop_upcycle(w1, b1, w2, b2, chosen, noise_w1, noise_b1, noise_w2, *, ddof=0, stats="matrix",
