@@ -27,6 +27,32 @@ The decision (written here before the first probe ran, 2026-11-28, and applied b
 
 The probes are exploratory (seed 0 of the probe's own stream); no probe number is a result of
 the study.
+
+``calibrate`` (written before its first run, 2026-11-28) trains the ViT of the audit's design on
+each chosen setting: depth 1 with its one MLP an MoE layer (``model_depth=1``,
+``model_placement="last1"``), so the experts are the only per-patch nonlinearity; 3,000 steps at a
+constant rate of 2e-3 after 100 warmup steps, validation accuracy (10,000 held-out training images)
+every 250 steps; seeds 0 and 1; four arms:
+
+* ``dense``: the same ViT with a dense MLP of the experts' width (equal activated FLOPs);
+* ``learned``: softmax Token Choice, k = 1, c = 1 (V-MoE's router on the representation), the
+  allocation the fixed arms use, so that only the affinity and the gates differ;
+* ``oracle``: ``raw_oracle`` (the argmax of the raw patch's projection on the sub-task
+  signatures; the right routing), Token Choice k = 1, c = 1, gates of 1;
+* ``blind``: ``raw_blind`` (a hash of the quantised raw patch), the same allocation and gates.
+
+The confound, stated before the runs: the fixed arms' gates are 1, the learned arm's the softmax
+probability of its pick. Targets, per setting (validation accuracy, points):
+
+* T1: oracle - blind >= 5 at both 2,000 and 3,000 steps, in each seed (the right routing pays);
+* T2: the best routed arm - dense >= 10 at 2,000 steps, mean over the seeds;
+* T3: the best arm < 95 % at 3,000 steps, mean over the seeds.
+
+Stop rule: if T1 fails in both settings, stop: at this scale the right routing does not pay on
+pixels, so no learned-routing study can find anything there, and chapter 9 says so. Otherwise the
+study goes on with the setting that meets T1, T2 and T3 with the largest mean oracle - blind at
+2,000 steps; if no setting meeting T1 also meets T2 and T3, with the one meeting T1 with the
+largest mean oracle - blind, the targets it misses stated as limitations in registration v3.
 """
 
 from __future__ import annotations
@@ -37,7 +63,7 @@ import pathlib
 import subprocess
 import sys
 
-from mini_moe import bench
+from mini_moe import bench, study
 from mini_moe.results import routing_pilot
 
 MACHINE = os.environ.get("MACHINE", "cpu-2core-epyc")
@@ -51,6 +77,23 @@ TARGETS = {"one": 0.85, "collision_cost": 0.10, "eight": 0.55}
 
 def probe_name(d: int, h: int, tasks: int) -> str:
     return f"probe-d{d}-h{h}-tasks{tasks}-width{WIDTH}"
+
+
+#: The calibration's arms: name -> (router, extra router options).
+ARMS = {"dense": (None, {}), "learned": ("softmax_token_choice", {}), "oracle": ("raw_oracle", {"dataset": None}),
+        "blind": ("raw_blind", {})}
+CALIBRATION = dict(steps=3000, eval_every=250, schedule="constant", learning_rate=2e-3, model_depth=1)
+RUNS = pathlib.Path(os.environ.get("PIXEL_RUNS", "runs/pixel-routing"))
+
+
+def arm_config(arm: str, dataset: str, seed: int, **overrides):
+    """The :class:`~mini_moe.config.TrainConfig` of one calibration run (see the module docstring)."""
+    router, options = ARMS[arm]
+    options = {k: dataset if k == "dataset" else v for k, v in options.items()}
+    extra = {"model_placement": "none" if router is None else "last1"}
+    if options:
+        extra["model_router_kwargs"] = options
+    return study.cell_config(router, 1.0, seed, dataset=dataset, scale="quick", **(CALIBRATION | extra | overrides))
 
 
 def _commit() -> str:
@@ -112,11 +155,89 @@ def choose(record: dict) -> dict:
             "chosen": [f"subtask_vote_d{s['content']}_h{s['teacher']}" for s in passing[:2]]}
 
 
+def calibrate(settings: list[str], seeds=(0, 1)) -> None:
+    """Train the calibration runs not yet recorded (settings x seeds x :data:`ARMS`), each recorded
+    as it finishes (validation curve, layer-1 routing accuracy on the test images; no test accuracy:
+    the test split is the confirmatory study's)."""
+    import dataclasses
+    import time
+    import traceback
+
+    from mini_moe import data, evaluate, train
+
+    for dataset in settings:
+        for seed in seeds:
+            for arm in ARMS:
+                name = f"cal-{dataset}-{arm}-s{seed}"
+                if any(r["name"] == name and r["status"] == "ok" for r in load().get("calibration", [])):
+                    continue
+                entry = {"name": name, "dataset": dataset, "arm": arm, "seed": seed, "status": "ok",
+                         "command": f"COMMIT=1 taskset -c {os.environ.get('CORE', '1')} .venv/bin/python "
+                                    f"mini_moe/results/pixel_routing.py calibrate",
+                         "source_commit": _commit(), "source_dirty": _dirty()}
+                tick = time.perf_counter()
+                try:
+                    cfg = arm_config(arm, dataset, seed)
+                    entry["config"] = json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
+                    train_part, validation, test = routing_pilot.splits(cfg)
+                    result = study.run_cell(cfg, RUNS / name, progress=False, label=arm, capacity=1.0,
+                                            datasets=(train_part, validation))
+                    entry |= {"steps": result["steps"], "train_seconds": result["train_seconds"],
+                              "eval": [{"step": e["step"], "validation_accuracy": e["test_accuracy"]}
+                                       for e in result["eval"]]}
+                    if cfg.model.router is not None:
+                        model, _ = train.load_trained(RUNS / name)
+                        tasks, _ = data.subtask_vote_tasks("test", **data.subtask_vote_options(dataset))
+                        entry["routing"] = [{k: v for k, v in layer.items() if k != "counts"}
+                                            for layer in evaluate.routing_accuracy(model, test.images, tasks)]
+                except Exception as e:  # recorded; the calibration goes on
+                    entry |= {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                              "traceback": traceback.format_exc()[-2000:]}
+                entry["wall_seconds"] = round(time.perf_counter() - tick, 1)
+                record = load()
+                record["calibration"] = [r for r in record.get("calibration", []) if r["name"] != name] + [entry]
+                OUT.write_text(json.dumps(record, indent=1) + "\n")
+                at = {e["step"]: e["validation_accuracy"] for e in entry.get("eval", [])}
+                print(f"{name}: {entry['status']} validation at 2000/3000: {at.get(2000)}/{at.get(3000)} "
+                      f"routing {[round(r['routing_accuracy'], 3) for r in entry.get('routing', [])]} "
+                      f"({entry['wall_seconds']} s)", flush=True)
+                if os.environ.get("COMMIT") == "1":
+                    subprocess.run(["bash", "-c", "source mini_moe/results/commit_result.sh && "
+                                    f'commit_result {OUT} "issue 65 calibration: {name}"'], check=False)
+
+
+def targets(record: dict, dataset: str, seeds=(0, 1)) -> dict:
+    """T1-T3 of the module docstring for one setting, from the calibration's validation curves
+    (None where a run is missing)."""
+    runs = {(r["arm"], r["seed"]): {e["step"]: e["validation_accuracy"] for e in r["eval"]}
+            for r in record.get("calibration", []) if r["dataset"] == dataset and r["status"] == "ok"}
+    if not all((arm, seed) in runs for arm in ARMS for seed in seeds):
+        return {"dataset": dataset, "complete": False}
+    gap = {(seed, step): 100 * (runs["oracle", seed][step] - runs["blind", seed][step])
+           for seed in seeds for step in (2000, 3000)}
+    mean = lambda arm, step: 100 * sum(runs[arm, s][step] for s in seeds) / len(seeds)  # noqa: E731
+    best2000 = max(mean(arm, 2000) for arm in ARMS if arm != "dense")
+    best3000 = max(mean(arm, 3000) for arm in ARMS)
+    return {"dataset": dataset, "complete": True, "oracle_minus_blind": {f"s{k[0]}@{k[1]}": v for k, v in gap.items()},
+            "T1": all(v >= 5 for v in gap.values()), "T2": best2000 - mean("dense", 2000) >= 10,
+            "T3": best3000 < 95, "mean_gap_2000": sum(gap[s, 2000] for s in seeds) / len(seeds),
+            "means": {arm: {step: mean(arm, step) for step in (2000, 3000)} for arm in ARMS}}
+
+
 if __name__ == "__main__":
     groups = sys.argv[1:]
-    if not groups or any(g not in ("step0", "choose") for g in groups):
-        sys.exit("usage: pixel_routing.py step0 | choose")
+    if not groups or any(g not in ("step0", "choose", "calibrate", "targets") for g in groups):
+        sys.exit("usage: pixel_routing.py step0 | choose | calibrate | targets")
     if "step0" in groups:
         step0()
     if "choose" in groups:
         print(json.dumps(choose(load()), indent=1))
+    if "calibrate" in groups:
+        chosen = choose(load())
+        if not chosen["complete"]:
+            sys.exit("step 0 is not complete: run `pixel_routing.py step0` first")
+        if not chosen["chosen"]:
+            sys.exit("step 0: no setting passes; the calibration stops before any ViT (module docstring)")
+        calibrate(chosen["chosen"])
+    if "targets" in groups:
+        print(json.dumps([targets(load(), d) for d in choose(load())["chosen"]], indent=1))
