@@ -96,11 +96,17 @@ def arm_config(arm: str, dataset: str, seed: int, **overrides):
     return study.cell_config(router, 1.0, seed, dataset=dataset, scale="quick", **(CALIBRATION | extra | overrides))
 
 
+# A run from a pinned worktree (PYTHONPATH=WORKTREE, the record and the runs in this checkout) says
+# which commit trained it: SOURCE_COMMIT (and SOURCE_DIRTY=0/1); ARMS_ONLY="dense,learned" trains
+# only those arms.
 def _commit() -> str:
-    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return os.environ.get("SOURCE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                             text=True).stdout.strip()
 
 
 def _dirty() -> bool:
+    if "SOURCE_DIRTY" in os.environ:
+        return os.environ["SOURCE_DIRTY"] == "1"
     return bool(subprocess.run(["git", "status", "--porcelain", "--", "mini_moe"], capture_output=True,
                                text=True).stdout.strip())
 
@@ -167,7 +173,7 @@ def calibrate(settings: list[str], seeds=(0, 1)) -> None:
 
     for dataset in settings:
         for seed in seeds:
-            for arm in ARMS:
+            for arm in [a for a in ARMS if a in os.environ.get("ARMS_ONLY", ",".join(ARMS)).split(",")]:
                 name = f"cal-{dataset}-{arm}-s{seed}"
                 if any(r["name"] == name and r["status"] == "ok" for r in load().get("calibration", [])):
                     continue
