@@ -181,7 +181,7 @@ def router_benchmarks(repeats: int, shape: str = "quick") -> list[dict]:
     """Every router alone, forward and forward + backward (ms), at ``LAYER_SHAPES[shape]``:
     the combine tensor (plus the auxiliary loss) reduced to ``sum(.^2)``, and its gradient."""
     results = []
-    for name in sorted(routers_lib.ROUTERS):
+    for name in routers_lib.general_routers():
         router, x = _router_and_tokens(name, shape, nnx.Rngs(0))
         forward = time_fn(_routing_loss, router, x, repeats=repeats)
         both = time_fn(_fwd_bwd(_routing_output), router, x, repeats=repeats)
@@ -242,7 +242,7 @@ def layer_width_benchmarks(repeats: int, shape: str = "quick", widths=LAYER_WIDT
         experts_ms = experts_only_ms(shape, repeats=repeats, hidden=hidden)
         print(f"  width {shape:5s} H={hidden:5d} dense MLP {dense_ms:8.2f} ms, experts alone {experts_ms:8.2f} ms",
               flush=True)
-        for name in sorted(routers_lib.ROUTERS):
+        for name in routers_lib.general_routers():
             options = equal_flops_options(name)
             layer_ms = moe_layer_ms(name, shape, repeats=repeats, hidden=hidden, **options)
             results.append({"shape": shape, "hidden": hidden, "router": name, "options": options,
@@ -277,7 +277,7 @@ def layer_benchmarks(repeats: int) -> list[dict]:
         results.append(rate({"shape": shape_name, "router": "experts_only", "ms": round(experts_ms, 3),
                              "ratio": round(experts_ms / dense_ms, 3)}, flops))
         print(f"  layer {shape_name:5s} {'experts_only':36s} {experts_ms:9.2f} ms  x{experts_ms / dense_ms:.2f}", flush=True)
-        for name in sorted(routers_lib.ROUTERS):
+        for name in routers_lib.general_routers():
             options = equal_flops_options(name)
             ms = moe_layer_ms(name, shape_name, repeats=repeats, **options)
             results.append(rate({"shape": shape_name, "router": name, "options": options, "ms": round(ms, 3),
@@ -402,7 +402,7 @@ def training_benchmarks(repeats: int) -> list[dict]:
     from mini_moe import train as train_lib
 
     results = []
-    for name in [None] + sorted(routers_lib.ROUTERS):
+    for name in [None] + routers_lib.general_routers():
         cfg = config_lib.get_config("quick", dataset="fashion_mnist", router=name)
         model = train_lib.make_model(cfg)
         optimizer = train_lib.make_optimizer(model, cfg)

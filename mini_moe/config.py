@@ -201,7 +201,9 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
       scale: ``"quick"``, ``"full"`` or None (:func:`default_scale`).
       dataset: one of ``mini_moe.data.DATASETS`` (or ``"patch_vote_v<V>"``). ``"patch_vote"``
         has a model and a schedule of its own (width 64, MLPs of 64, 2,000 steps) at both scales.
-      router: a router name (``mini_moe.ROUTERS``) or None for the dense ViT.
+      router: a router name (``mini_moe.ROUTERS``) or None for the dense ViT. A router defined
+        for a dataset family (``RouterSpec.data``: ``raw_oracle``) gets the option ``dataset``
+        unless ``model_router_kwargs`` names one.
       **overrides: TrainConfig fields, or ModelConfig fields prefixed with ``model_``
         (e.g. ``model_num_experts=4``, ``model_router_kwargs={"k": 2}``).
     """
@@ -247,4 +249,7 @@ def get_config(scale: str | None = None, *, dataset: str = "digits", router: str
         patches = (model_fields["image_size"] // model_fields["patch_size"]) ** 2
         kwargs["slots_per_expert"] = routing_lib.capacity(patches, model_fields["num_experts"], 1.0)
         model_fields["router_kwargs"] = tuple(sorted(kwargs.items()))
+    if router is not None and routers_lib.spec(router).data is not None and "dataset" not in kwargs:
+        # a router defined for one dataset family (raw_oracle reads subtask_vote's signatures): this dataset
+        model_fields["router_kwargs"] = tuple(sorted((kwargs | {"dataset": dataset}).items()))
     return TrainConfig(model=ModelConfig(**model_fields), **train_fields)

@@ -7,7 +7,9 @@ MLP or MoE) -> layer norm -> global average pooling -> linear head.
 MoE placement: ``"every2"`` replaces the MLP of every other block (V-MoE "Every-2": blocks
 1, 3, ...), ``"lastN"`` (e.g. ``"last2"``) the last N blocks (Soft MoE's placement),
 ``"none"`` gives the dense ViT. Sparse routers route per group of ``group_images`` images'
-tokens; Soft MoE per image.
+tokens; Soft MoE per image. A router registered with ``reads="pixels"`` (the raw-key controls)
+routes each token by its raw patch, the patchified pixels the embedding receives, which the
+model hands to every MoE layer alongside the representation.
 """
 
 from __future__ import annotations
@@ -203,8 +205,10 @@ class MoeLayer(nnx.Module):
     """The MoE layer of eq. (2), the one the whole package uses (the model, the benchmarks and
     the controlled experiment of :mod:`mini_moe.subtasks`): a router, experts and the layer.
 
-    ``layer(x [G, T, D], mesh=None) -> (y [G, T, D], RouterOutput)``: every group of T tokens
-    is routed on its own. The router runs in float32 whatever the compute dtype (logits,
+    ``layer(x [G, T, D], mesh=None, router_input=None) -> (y [G, T, D], RouterOutput)``: every
+    group of T tokens is routed on its own, by ``x`` itself or, where given, by ``router_input
+    [G, T, D_r]`` (one row per token of ``x``: the raw patches a router with ``reads="pixels"``
+    reads). The router runs in float32 whatever the compute dtype (logits,
     softmax, transport plans and auxiliary losses); its dispatch and combine tensors are cast
     to the tokens' dtype where eq. (2) uses them, and the experts compute in that dtype.
 
@@ -240,9 +244,11 @@ class MoeLayer(nnx.Module):
                              "null column of the router).")
         self.router, self.experts, self.path, self.shared, self.null = router, experts, path, shared, null
 
-    def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
+    def __call__(self, x: Array, mesh: parallel.Mesh | None = None,
+                 router_input: Array | None = None) -> tuple[Array, routers_lib.RouterOutput]:
         dropless = self.path == "dropless" and mesh is None
-        out = self.router(x.astype(jnp.float32), dropless=dropless)
+        keys = x if router_input is None else router_input  # what the router routes by
+        out = self.router(keys.astype(jnp.float32), dropless=dropless)
         if dropless:
             picks = self.router.allocation.real_picks(out.affinities)
             bound = self.router.allocation.max_picks(math.prod(x.shape[:-1]))
@@ -268,12 +274,16 @@ class MoeMlp(MoeLayer):
     """An MoE layer in place of a Transformer MLP: :class:`MoeLayer` on routing groups.
 
     Regroups the ``[B, N, D]`` tokens of a batch into routing groups first: one image
-    per group for Soft MoE, ``group_images`` images per group for sparse routers.
+    per group for Soft MoE, ``group_images`` images per group for sparse routers. A router
+    registered with ``reads="pixels"`` is built for the raw patches (``p*p*C`` values per token)
+    and routes by them, regrouped as the tokens are.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         hidden = cfg.mlp_dim // cfg.fine_grained
-        router = routers_lib.make_router(cfg.router, cfg.dim, cfg.routed_experts, rngs=rngs, **cfg.routed_options())
+        self.reads = routers_lib.spec(cfg.router).reads  # "representation" or "pixels"
+        router_dim = cfg.patch_size**2 * cfg.channels if self.reads == "pixels" else cfg.dim
+        router = routers_lib.make_router(cfg.router, router_dim, cfg.routed_experts, rngs=rngs, **cfg.routed_options())
         experts = MlpExperts(cfg.routed_experts, cfg.dim, hidden, rngs=rngs)
         # K_s shared experts of `hidden` units summed are one MLP of K_s * hidden units.
         shared = DenseMlp(cfg.dim, cfg.shared_experts * hidden, dtype=jnp.dtype(cfg.dtype), rngs=rngs) \
@@ -282,8 +292,10 @@ class MoeMlp(MoeLayer):
         super().__init__(router, experts, path=cfg.moe_path, shared=shared, null=null)
         self.group_images = cfg.group_images
 
-    def __call__(self, x: Array, mesh: parallel.Mesh | None = None) -> tuple[Array, routers_lib.RouterOutput]:
-        """``x [B, N, D]`` -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``)."""
+    def __call__(self, x: Array, mesh: parallel.Mesh | None = None,
+                 patches: Array | None = None) -> tuple[Array, routers_lib.RouterOutput]:
+        """``x [B, N, D]`` (and the raw ``patches [B, N, p*p*C]``, which a router that reads
+        pixels needs) -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``)."""
         b, n, d = x.shape
         per_group = 1 if self.router.per_image else min(self.group_images, b)
         if b % per_group:
@@ -291,7 +303,13 @@ class MoeMlp(MoeLayer):
                 f"batch size {b} must be a multiple of group_images={per_group} for sparse routers "
                 "(pad the batch, or change group_images)."
             )
-        y, out = super().__call__(x.reshape(b // per_group, per_group * n, d), mesh)
+        keys = None
+        if self.reads == "pixels":
+            if patches is None:
+                raise InputError("this MoE layer's router reads the raw patches (reads='pixels'); pass patches "
+                                 "[B, N, p*p*C] (VisionMoE does).")
+            keys = patches.reshape(b // per_group, per_group * n, -1)
+        y, out = super().__call__(x.reshape(b // per_group, per_group * n, d), mesh, keys)
         picks = None if out.picks is None else out.picks.reshape(b, n, -1)
         return y.reshape(b, n, d), out.replace(probs=out.probs.reshape(b, n, -1), picks=picks)
 
@@ -319,10 +337,10 @@ class Block(nnx.Module):
         self.mlp = MoeMlp(cfg, rngs=rngs) if use_moe else DenseMlp(cfg.dim, cfg.mlp_dim, dtype=dtype, rngs=rngs)
         self.use_moe = use_moe
 
-    def __call__(self, x, mesh=None):
+    def __call__(self, x, mesh=None, patches=None):
         x = x + self.attn(self.norm1(x))
         if self.use_moe:
-            y, out = self.mlp(self.norm2(x), mesh)
+            y, out = self.mlp(self.norm2(x), mesh, patches)
             return x + y, out
         return x + self.mlp(self.norm2(x)), None
 
@@ -360,10 +378,11 @@ class VisionMoE(nnx.Module):
                 f"images must have shape [B, {cfg.image_size}, {cfg.image_size}, {cfg.channels}], got {shape}."
             )
         dtype = jnp.dtype(cfg.dtype)
-        x = self.embed(patchify(images, cfg.patch_size).astype(dtype)) + self.pos[...].astype(dtype)
+        patches = patchify(images, cfg.patch_size)  # the raw patches: the embedding's input and a raw key's
+        x = self.embed(patches.astype(dtype)) + self.pos[...].astype(dtype)
         aux, metrics, probs, routings, picks, layers = jnp.zeros(()), [], [], [], [], []
         for block in self.blocks:
-            x, out = block(x, mesh)
+            x, out = block(x, mesh, patches)
             if out is not None:
                 aux = aux + out.aux_loss
                 metrics.append(out.metrics)

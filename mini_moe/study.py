@@ -40,7 +40,7 @@ from mini_moe import config as config_lib
 from mini_moe import evaluate, train
 from mini_moe.stats import holm, paired_t  # noqa: F401  (the study's statistics; their home is stats)
 from mini_moe import routers as routers_lib
-from mini_moe.routers import ROUTERS
+from mini_moe.routers import ROUTERS, general_routers
 from mini_moe.validate import InputError
 
 # The routers of the papers, whose claims :func:`claims` tests, and how the capacity factor c
@@ -430,7 +430,8 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=CAPACITIES, see
     Args:
       out_dir: folder of the study; one sub-folder per cell.
       dataset: a dataset name (``mini_moe.data.DATASETS``).
-      routers: router names or :data:`VARIANTS` (default: every router of :data:`~mini_moe.routers.ROUTERS`).
+      routers: router names or :data:`VARIANTS` (default: every router of :data:`~mini_moe.routers.ROUTERS`
+        that builds for any dataset, :func:`~mini_moe.routers.general_routers`).
       capacities: the capacity factors c to try (:func:`capacity_options`).
       seeds: seeds per cell.
       dense: also train the dense ViT (once per seed).
@@ -446,7 +447,7 @@ def run_study(out_dir, *, dataset: str, routers=None, capacities=CAPACITIES, see
 
     out_dir = pathlib.Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    routers = sorted(ROUTERS) if routers is None else list(routers)
+    routers = general_routers() if routers is None else list(routers)
     capacities = [check_capacity(c) for c in capacities]
     plan = [(r, c, s) for s in seeds for r, cs in ([(None, [1.0])] if dense else []) + [(r, capacities) for r in routers]
             for c in cs]

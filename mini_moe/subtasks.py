@@ -283,8 +283,11 @@ def _converged(best: list[tuple[int, float]], patience: int, tolerance: float) -
     return bool(before) and not now < (1 - tolerance) * before[-1]
 
 
-#: The models :func:`run_experiment` trains by default: the dense layers and every registered router.
-ROUTER_CHOICES = ("dense", "dense_wide") + tuple(sorted(routers_lib.ROUTERS))
+#: The models :func:`run_experiment` trains by default: the dense layers and every registered router
+#: that routes by the tokens it is given (the raw-key routers read image patches, which this
+#: token-level experiment has none of).
+ROUTER_CHOICES = ("dense", "dense_wide") + tuple(r for r in routers_lib.general_routers()
+                                                 if routers_lib.spec(r).reads == "representation")
 #: The study's variants (``mini_moe.study.VARIANTS``), which it can train besides, among them
 #: the routing controls (a router with its weights frozen at initialisation).
 VARIANT_CHOICES = tuple(sorted(study.VARIANTS))

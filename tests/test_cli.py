@@ -36,11 +36,11 @@ def test_every_offered_bench_part_runs(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_routers_times_every_router_forward_and_backward(monkeypatch):
-    from mini_moe.routers import ROUTERS
+    from mini_moe.routers import general_routers
 
     monkeypatch.setattr(bench, "time_fn", lambda fn, *args, repeats=20: 2.0)  # no compilation, no timing
     rows = bench.run(repeats=1, only="routers")["routers"]
-    assert sorted(r["router"] for r in rows) == sorted(ROUTERS)
+    assert sorted(r["router"] for r in rows) == general_routers()
     assert all(r["forward_ms"] == 2.0 and r["forward_backward_ms"] == 2.0 for r in rows)
 
 
@@ -49,7 +49,7 @@ def test_bench_layer_width_times_every_router_at_every_width(monkeypatch):
     k = 1), each module built with that width; ratio and excess come from those timings."""
     from mini_moe.layer import MlpExperts
     from mini_moe.model import DenseMlp, MoeLayer
-    from mini_moe.routers import ROUTERS, spec
+    from mini_moe.routers import general_routers, spec
 
     timed = []
 
@@ -62,9 +62,9 @@ def test_bench_layer_width_times_every_router_at_every_width(monkeypatch):
     monkeypatch.setattr(bench, "time_fn", fake_time)
     rows = bench.run(repeats=1, only="layer_width")["layer_width"]
     expected = [(kind, h) for h in bench.LAYER_WIDTHS
-                for kind in ["DenseMlp", "MlpExperts"] + ["MoeLayer"] * len(ROUTERS)]
+                for kind in ["DenseMlp", "MlpExperts"] + ["MoeLayer"] * len(general_routers())]
     assert timed == expected
-    assert [(r["hidden"], r["router"]) for r in rows] == [(h, n) for h in bench.LAYER_WIDTHS for n in sorted(ROUTERS)]
+    assert [(r["hidden"], r["router"]) for r in rows] == [(h, n) for h in bench.LAYER_WIDTHS for n in general_routers()]
     for r in rows:
         assert (r["dense_ms"], r["experts_only_ms"], r["layer_ms"], r["ratio"], r["excess_ms"]) == (4.0, 3.0, 9.0, 2.25, 5.0)
         assert r["options"] == ({"k": 1} if spec(r["router"]).allocation == "token" else {})

@@ -320,7 +320,7 @@ def test_expert_choice_drops_by_design_and_its_hint_names_only_its_fixes(healthy
     assert all("balance" not in f.hint and "dropless" not in f.hint for f in report["findings"]), report["findings"]
 
 
-@pytest.mark.parametrize("router", sorted(routers.ROUTERS))
+@pytest.mark.parametrize("router", sorted(n for n, s in routers.ROUTERS.items() if s.data is None))  # not raw_oracle
 def test_a_hint_never_names_a_fix_the_router_does_not_have(router):
     model = _tiny(router)
     layer = next(b for b in model.blocks if b.use_moe).mlp

@@ -29,12 +29,13 @@ def test_registry_has_every_router_of_the_papers():
         "remoe",  # ReLU routing (issue 26)
         "hash",  # a routing control: nothing learned (issue 34)
         "adamoe", "longcat",  # null experts in the choice set (issue 54)
+        "raw_oracle", "raw_blind", "raw_lsh",  # routing controls on the raw patch (issue 65)
     } | ({"top_p"} if "top_p" in ALL else set())  # token-adaptive k (issue 54)
     with pytest.raises(ValueError, match="Unknown router 'topk'.*softmax_token_choice"):
         mm.make_router("topk", D, E, rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", [n for n in ALL if mm.ROUTERS[n].data is None])  # raw_oracle: subtask_vote only
 def test_every_router_routes_trains_and_jits(name):
     router = _make(name)
     experts = layer.MlpExperts(E, D, 16, rngs=nnx.Rngs(1))
@@ -57,7 +58,7 @@ def test_every_router_routes_trains_and_jits(name):
     leaves = jax.tree.leaves(nnx.state(grads))
     assert leaves and all(np.all(np.isfinite(g)) for g in leaves)
     router_grad = sum(float(jnp.abs(g).sum()) for g in jax.tree.leaves(nnx.state(grads[0])))
-    if name == "hash":  # the control: no parameter, nothing to learn
+    if not getattr(router.affinity, "learned", True):  # the controls (hash, raw keys): nothing to learn
         assert not jax.tree.leaves(nnx.state(router, nnx.Param)) and router_grad == 0
     else:
         assert router_grad > 0  # the router learns through the combine weights
@@ -235,7 +236,7 @@ def test_bad_router_arguments(name, kwargs, match):
         _make(name, **kwargs)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", [n for n in ALL if mm.ROUTERS[n].data is None])  # raw_oracle: subtask_vote only
 def test_wrong_token_dimension_raises(name):
     with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., T, D=8\]"):
         _make(name)(jnp.ones((G, T, D + 1)))
@@ -356,6 +357,8 @@ def test_register_refuses_a_taken_name_unless_replace():
 def test_per_image_is_decided_by_the_allocation_alone():
     """One home: a registered router's ``per_image`` is its allocation class's, for every name."""
     for name, spec in mm.ROUTERS.items():
+        if spec.data is not None:  # raw_oracle: built for subtask_vote's patches only
+            continue
         router = mm.make_router(name, D, E, rngs=nnx.Rngs(0))
         assert spec.per_image == router.per_image == type(router.allocation).per_image
     assert [a for a, cls in routers.ALLOCATION_CLASSES.items() if cls.per_image] == ["soft"]

@@ -680,7 +680,7 @@ def _full_model(router):
 FULL_BATCH = (jax.random.normal(jax.random.key(0), (8, 32, 32, 3)), jnp.arange(8) % 10)
 
 
-@pytest.mark.parametrize("router", [None] + sorted(config_lib.routers_lib.ROUTERS))
+@pytest.mark.parametrize("router", [None] + sorted(n for n, s in config_lib.routers_lib.ROUTERS.items() if s.data is None))
 def test_full_configuration_builds_and_traces_a_training_step(router):
     """The configuration readers run on a GPU/TPU (CIFAR-10, ``full``: D=192, depth 8, 16 experts)
     cannot rot on a CPU-only CI: each router's model is built at that size and its AdamW step is

@@ -10,8 +10,9 @@ under a capacity. Here both are small first-class pieces and a :class:`Router` i
   :class:`ReluGates` (ReMoE's ReLU gates with an adaptive L1 penalty),
   :class:`TopPGates` (top-p routing: each token's fewest top experts whose probabilities reach p),
   :class:`SinkhornPlan` (eq. 8), :class:`QuadraticPlan` (SVMoE), :class:`SparsityConstrainedPlan`
-  (eq. 9), :class:`SlotLogits` (Soft MoE's l2-normalised slot logits) and
-  :class:`HashProjection` (a fixed random projection that nothing learns, a routing control);
+  (eq. 9), :class:`SlotLogits` (Soft MoE's l2-normalised slot logits),
+  :class:`HashProjection` (a fixed random projection that nothing learns, a routing control) and
+  :class:`RawKey` (a fixed key of the raw patch, before the embedding: the raw-key controls);
 * allocations (frozen dataclasses, no parameters, on :class:`Allocation`): :class:`TokenChoice`
   (Algorithm 1, k and Batch Priority Routing), :class:`ExpertChoice` (Algorithm 2) and
   :class:`SoftRouting`.
@@ -46,6 +47,9 @@ name                                   affinity                                 
 ``sparsity_constrained_expert_choice`` :class:`SparsityConstrainedPlan`         :class:`ExpertChoice`
 ``soft_moe``                           :class:`SlotLogits`                      :class:`SoftRouting`
 ``hash`` (a routing control)           :class:`HashProjection`                  :class:`TokenChoice`
+``raw_oracle`` (reads pixels)          :class:`RawKey` (sub-task signatures)    :class:`TokenChoice`
+``raw_blind`` (reads pixels)           :class:`RawKey` (hash of the patch)      :class:`TokenChoice`
+``raw_lsh`` (reads pixels)             :class:`RawKey` (random projection)      :class:`TokenChoice`
 ``adamoe``                             :class:`NullGates` (null-aware loss)     :class:`TokenChoice` (null)
 ``longcat``                            :class:`NullGates` (bias controller)     :class:`TokenChoice` (null)
 ====================================== ======================================== ============================
@@ -53,11 +57,16 @@ name                                   affinity                                 
 Routing controls, for experiments that ask whether the *learned* routing matters: any router
 can be frozen (``make_router(..., frozen=True)``, :func:`freeze`: its weights stay at their
 initial values while the experts train), ``hash`` routes by a fixed random projection that
-nothing learns, and the options ``noise_std`` and ``balance_loss`` of ``softmax_token_choice`` and
+nothing learns, the raw-key routers route by a fixed key of the raw patch that the network cannot
+steer (``raw_oracle``: the right routing of :func:`mini_moe.data.subtask_vote`, read from the
+sub-task signatures; ``raw_blind``: a hash of the quantised patch, Hash Layers; ``raw_lsh``: a
+fixed random projection of the patch; their gates are 1, a learned router's a softmax), and the
+options ``noise_std`` and ``balance_loss`` of ``softmax_token_choice`` and
 ``noise_std`` of ``softmax_expert_choice`` give the two allocations the same noise and losses.
 
 What the rest of the library needs to know about a registered router (how the capacity factor
-reaches it, whether it routes each image on its own, where the model places its MoE layers) is
+reaches it, whether it routes each image on its own, where the model places its MoE layers,
+whether it reads the representation or the raw pixels, the dataset family it is built for, if any) is
 declared with :func:`register`, so a router registered outside the package trains through
 :mod:`mini_moe.model`, :mod:`mini_moe.train`, :mod:`mini_moe.study` and :mod:`mini_moe.bench`.
 An affinity with state that no gradient moves (DeepSeek-V3's bias, ReMoE's lambda) follows one
@@ -74,7 +83,7 @@ name every object): ``types.py`` (:class:`RouterOutput`, :class:`Budget`, :class
 ``affinities.py`` (the affinities that hold only their weights), ``balancing.py`` (the affinities
 with state of their own: :class:`SigmoidGates`, :class:`ReluGates`), ``stateful.py`` (the
 protocol through which models move such state: :class:`StatefulAffinity`), ``allocations.py``,
-``controls.py`` (:func:`freeze`, :class:`HashProjection`), ``registry.py`` (:class:`Router` and the
+``controls.py`` (:func:`freeze`, :class:`HashProjection`, :class:`RawKey`), ``registry.py`` (:class:`Router` and the
 registry), ``papers.py`` (the registered routers of the papers), ``null.py`` (null experts in
 the choice set: :class:`NullGates`, ``adamoe``, ``longcat``) and ``adaptive.py`` (a number of
 experts that adapts to the token: :class:`TopPGates`, :func:`top_p_mask`, ``top_p``).
@@ -101,13 +110,14 @@ from mini_moe.routers.affinities import (Affinity, NoisySoftmax, QuadraticPlan, 
                                          SparsityConstrainedPlan, l2_normalize)
 from mini_moe.routers.allocations import SOFT_MOE_ABLATIONS, Allocation, ExpertChoice, SoftRouting, TokenChoice
 from mini_moe.routers.balancing import ExpertBias, L1Weight, ReluGates, SigmoidGates, update_l1_weights
-from mini_moe.routers.controls import FrozenWeight, HashProjection, freeze
-from mini_moe.routers.papers import (group_limited, hash_router, remoe, sigmoid_loss_free, sinkhorn_expert_choice,
-                                     sinkhorn_token_choice, soft_moe, softmax_expert_choice, softmax_token_choice,
-                                     sparsity_constrained_expert_choice, svmoe)
+from mini_moe.routers.controls import FrozenWeight, HashProjection, RawKey, freeze
+from mini_moe.routers.papers import (group_limited, hash_router, raw_blind, raw_lsh, raw_oracle, remoe,
+                                     sigmoid_loss_free, sinkhorn_expert_choice, sinkhorn_token_choice, soft_moe,
+                                     softmax_expert_choice, softmax_token_choice, sparsity_constrained_expert_choice,
+                                     svmoe)
 from mini_moe.routers.null import NullGates, RealBias, adamoe, longcat
-from mini_moe.routers.registry import (ALLOCATION_CLASSES, ALLOCATIONS, Router, RouterSpec, make_router, per_image,
-                                       register, spec)
+from mini_moe.routers.registry import (ALLOCATION_CLASSES, ALLOCATIONS, READS, Router, RouterSpec, general_routers,
+                                       make_router, per_image, register, spec)
 from mini_moe.routers.registry import ROUTERS as _ROUTERS
 from mini_moe.routers.stateful import StatefulAffinity, after_forward, after_step, defer_updates
 from mini_moe.routers.types import Affinities, Array, Budget, RouterOutput  # noqa: F401
@@ -123,11 +133,13 @@ __all__ = [
     "Affinity", "Softmax", "NoisySoftmax", "ExpertBias", "SigmoidGates", "L1Weight", "ReluGates",
     "update_l1_weights", "StatefulAffinity", "after_forward", "after_step", "defer_updates",
     "SinkhornPlan", "QuadraticPlan", "SparsityConstrainedPlan", "l2_normalize", "SlotLogits",
-    "FrozenWeight", "freeze", "HashProjection",
+    "FrozenWeight", "freeze", "HashProjection", "RawKey",
     "Allocation", "TokenChoice", "ExpertChoice", "SOFT_MOE_ABLATIONS", "SoftRouting",
     "Router",
-    "ALLOCATIONS", "ALLOCATION_CLASSES", "RouterSpec", "ROUTERS", "register", "make_router", "per_image", "spec",
-    "softmax_token_choice", "sigmoid_loss_free", "group_limited", "remoe", "hash_router", "sinkhorn_token_choice",
+    "ALLOCATIONS", "ALLOCATION_CLASSES", "READS", "RouterSpec", "ROUTERS", "general_routers", "register", "make_router", "per_image",
+    "spec",
+    "softmax_token_choice", "sigmoid_loss_free", "group_limited", "remoe", "hash_router", "raw_oracle", "raw_blind",
+    "raw_lsh", "sinkhorn_token_choice",
     "svmoe", "softmax_expert_choice", "sinkhorn_expert_choice", "sparsity_constrained_expert_choice", "soft_moe",
     "NullGates", "RealBias", "adamoe", "longcat",
     "TopPThreshold", "TopPGates", "top_p_mask", "top_p",

@@ -9,7 +9,7 @@ from mini_moe.routers.affinities import (NoisySoftmax, QuadraticPlan, SinkhornPl
                                         SparsityConstrainedPlan)
 from mini_moe.routers.allocations import ExpertChoice, SoftRouting, TokenChoice
 from mini_moe.routers.balancing import ReluGates, SigmoidGates
-from mini_moe.routers.controls import HashProjection
+from mini_moe.routers.controls import HashProjection, RawKey
 from mini_moe.routers.registry import Router, register
 from mini_moe.validate import InputError
 
@@ -93,6 +93,38 @@ def hash_router(dim, num_experts, *, k=1, capacity_factor=None, batch_priority=F
     each token to the k experts of a fixed random projection (:class:`HashProjection`), combine
     weight 1/k; Token Choice (Algorithm 1) allocates. Nothing in it is learned."""
     return Router(HashProjection(dim, num_experts, rngs=rngs), TokenChoice(k, capacity_factor, batch_priority))
+
+
+@register("raw_oracle", allocation="token", reads="pixels", data="subtask_vote")
+def raw_oracle(dim, num_experts, *, dataset=None, k=1, capacity_factor=None, batch_priority=False,
+               rngs: nnx.Rngs) -> Router:
+    """A raw-key router (a routing control, the positive one): each patch of a
+    :func:`~mini_moe.data.subtask_vote` dataset (``dataset``, e.g. ``"subtask_vote_d8_h16"``; a
+    configuration passes its own) to the expert of its sub-task, read from the raw pixels by the
+    signatures (:class:`RawKey` ``key="oracle"``); E = 8, 7x7 patches. Gates of 1/k, not a softmax:
+    a comparison with a learned router also compares the gates. Token Choice allocates."""
+    return Router(RawKey(dim, num_experts, key="oracle", dataset=dataset, rngs=rngs),
+                  TokenChoice(k, capacity_factor, batch_priority))
+
+
+@register("raw_blind", allocation="token", reads="pixels")
+def raw_blind(dim, num_experts, *, bin_width=0.5, k=1, capacity_factor=None, batch_priority=False,
+              rngs: nnx.Rngs) -> Router:
+    """A raw-key router (a routing control, the floor): each patch to the experts of a hash of
+    its quantised raw pixels (:class:`RawKey` ``key="blind"``; Hash Layers, Roller et al. 2021,
+    arXiv 2106.04426): recurring patches share an expert, fresh ones go to random experts. Gates
+    of 1/k, not a softmax. Token Choice allocates."""
+    return Router(RawKey(dim, num_experts, key="blind", bin_width=bin_width, rngs=rngs),
+                  TokenChoice(k, capacity_factor, batch_priority))
+
+
+@register("raw_lsh", allocation="token", reads="pixels")
+def raw_lsh(dim, num_experts, *, k=1, capacity_factor=None, batch_priority=False, rngs: nnx.Rngs) -> Router:
+    """A raw-key router (a routing control): each patch to the argmax of a fixed random
+    projection of its raw pixels (:class:`RawKey` ``key="lsh"``, locality-sensitive hashing, the
+    continuous form of Hash Layers, Roller et al. 2021, arXiv 2106.04426). Gates of 1/k, not a
+    softmax. Token Choice allocates."""
+    return Router(RawKey(dim, num_experts, key="lsh", rngs=rngs), TokenChoice(k, capacity_factor, batch_priority))
 
 
 @register("sinkhorn_token_choice", allocation="token")

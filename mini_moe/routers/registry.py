@@ -92,6 +92,8 @@ class Router(nnx.Module):
 # ---------------------------------------------------------------------------- the registry
 
 ALLOCATIONS = ("token", "expert", "soft")
+#: What a router can read (:attr:`RouterSpec.reads`): the MoE layer's tokens, or the raw patches.
+READS = ("representation", "pixels")
 ALLOCATION_CLASSES = {"token": TokenChoice, "expert": ExpertChoice, "soft": SoftRouting}
 
 
@@ -105,11 +107,22 @@ class RouterSpec:
         ``capacity_factor``), ``"expert"`` (``capacity_factor``) or ``"soft"``
         (``slots_per_expert``).
       placement: the MoE placement :func:`mini_moe.config.get_config` gives it by default.
+      reads: what its router reads: ``"representation"`` (the tokens the MoE layer transforms) or
+        ``"pixels"`` (the raw patches the model's embedding receives, ``p*p*C`` per token, so
+        nothing the network learns can steer the routing: the raw-key routers, :class:`RawKey`).
+        :class:`mini_moe.model.VisionMoE` builds the router for that input and hands it over.
+      data: None for a router that builds for any ``dim`` and number of experts, or the dataset
+        family whose structure it reads (``"subtask_vote"`` for ``raw_oracle``: its signatures,
+        7x7 patches, 8 experts); it takes the dataset's name as its option ``dataset``, which
+        :func:`mini_moe.config.get_config` fills in. Code that builds every router at one shape
+        (benchmarks, tests) skips these.
     """
 
     build: Callable[..., Router]
     allocation: str
     placement: str = "every2"
+    reads: str = "representation"
+    data: str | None = None
 
     @property
     def per_image(self) -> bool:
@@ -131,12 +144,21 @@ class RouterSpec:
 ROUTERS: dict[str, RouterSpec] = {}
 
 
-def register(name: str, *, allocation: str, placement: str = "every2",
-             replace: bool = False) -> Callable[[Callable], Callable]:
+def general_routers() -> list[str]:
+    """The registered routers that build for any ``dim`` and number of experts (:attr:`RouterSpec.data`
+    None), sorted: what code that builds every router at one shape (benchmarks, the default study)
+    loops over."""
+    return sorted(name for name, s in ROUTERS.items() if s.data is None)
+
+
+def register(name: str, *, allocation: str, placement: str = "every2", reads: str = "representation",
+             data: str | None = None, replace: bool = False) -> Callable[[Callable], Callable]:
     """Decorator adding a router builder to :data:`ROUTERS` under ``name``.
 
     ``allocation`` is ``"token"``, ``"expert"`` or ``"soft"`` (it also decides whether the
-    router routes each image on its own, :attr:`RouterSpec.per_image`). A name that is
+    router routes each image on its own, :attr:`RouterSpec.per_image`); ``reads`` is
+    ``"representation"`` or ``"pixels"`` (:attr:`RouterSpec.reads`); ``data`` names the dataset
+    family a router is defined for, if any (:attr:`RouterSpec.data`). A name that is
     already registered is refused unless ``replace=True``. For example::
 
         @register("noisy_expert_choice", allocation="expert")
@@ -145,12 +167,14 @@ def register(name: str, *, allocation: str, placement: str = "every2",
     """
     if allocation not in ALLOCATIONS:
         raise InputError(f"allocation must be one of {ALLOCATIONS}, got {allocation!r}.")
+    if reads not in READS:
+        raise InputError(f"reads must be one of {READS}, got {reads!r}.")
     if name in ROUTERS and not replace:
         raise InputError(f"A router is already registered as {name!r}; pick another name, or pass "
                          f"replace=True to replace it.")
 
     def add(build):
-        ROUTERS[name] = RouterSpec(build, allocation, placement)
+        ROUTERS[name] = RouterSpec(build, allocation, placement, reads, data)
         return build
 
     return add
