@@ -97,8 +97,8 @@ def arm_config(arm: str, dataset: str, seed: int, **overrides):
 
 
 # A run from a pinned worktree (PYTHONPATH=WORKTREE, the record and the runs in this checkout) says
-# which commit trained it: SOURCE_COMMIT (and SOURCE_DIRTY=0/1); ARMS_ONLY="dense,learned" trains
-# only those arms.
+# which commit trained it: SOURCE_COMMIT (and SOURCE_DIRTY=0/1); ARMS_ONLY="dense,learned" and
+# SETTINGS_ONLY="subtask_vote_d8_h16" train only those arms and settings.
 def _commit() -> str:
     return os.environ.get("SOURCE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                              text=True).stdout.strip()
@@ -244,6 +244,7 @@ if __name__ == "__main__":
             sys.exit("step 0 is not complete: run `pixel_routing.py step0` first")
         if not chosen["chosen"]:
             sys.exit("step 0: no setting passes; the calibration stops before any ViT (module docstring)")
-        calibrate(chosen["chosen"])
+        only = os.environ.get("SETTINGS_ONLY")  # e.g. "subtask_vote_d8_h16": one setting per core
+        calibrate([d for d in chosen["chosen"] if not only or d in only.split(",")])
     if "targets" in groups:
         print(json.dumps([targets(load(), d) for d in choose(load())["chosen"]], indent=1))
