@@ -230,6 +230,22 @@ def targets(record: dict, dataset: str, seeds=(0, 1)) -> dict:
             "means": {arm: {step: mean(arm, step) for step in (2000, 3000)} for arm in ARMS}}
 
 
+def decision(record: dict) -> dict:
+    """The calibration's outcome under the module docstring's rule: ``stop`` (T1 failed in every
+    chosen setting), or the ``setting`` the study goes on with and the ``limitations`` (targets
+    it misses); None for both while a run is missing."""
+    found = [targets(record, d) for d in choose(record)["chosen"]]
+    if not found or not all(t["complete"] for t in found):
+        return {"stop": None, "setting": None, "limitations": None, "targets": found}
+    holding = [t for t in found if t["T1"]]
+    if not holding:
+        return {"stop": True, "setting": None, "limitations": [], "targets": found}
+    full = [t for t in holding if t["T2"] and t["T3"]]
+    best = max(full or holding, key=lambda t: t["mean_gap_2000"])
+    return {"stop": False, "setting": best["dataset"], "limitations": [k for k in ("T2", "T3") if not best[k]],
+            "targets": found}
+
+
 if __name__ == "__main__":
     groups = sys.argv[1:]
     if not groups or any(g not in ("step0", "choose", "calibrate", "targets") for g in groups):
@@ -247,4 +263,4 @@ if __name__ == "__main__":
         only = os.environ.get("SETTINGS_ONLY")  # e.g. "subtask_vote_d8_h16": one setting per core
         calibrate([d for d in chosen["chosen"] if not only or d in only.split(",")])
     if "targets" in groups:
-        print(json.dumps([targets(load(), d) for d in choose(load())["chosen"]], indent=1))
+        print(json.dumps(decision(load()), indent=1))
