@@ -111,6 +111,13 @@ def _dirty() -> bool:
                                text=True).stdout.strip())
 
 
+def _commit_record(message: str) -> None:
+    """With ``COMMIT=1``, commit the record alone (``commit_result.sh``), as each run finishes."""
+    if os.environ.get("COMMIT") == "1":
+        subprocess.run(["bash", "-c", f'source mini_moe/results/commit_result.sh && commit_result {OUT} "{message}"'],
+                       check=False)
+
+
 def load() -> dict:
     if OUT.exists():
         return json.loads(OUT.read_text())
@@ -120,7 +127,6 @@ def load() -> dict:
 
 def step0() -> None:
     """Run the 18 probes not yet recorded, recording each as it finishes."""
-    record = load()
     for d, h in SETTINGS:
         for tasks in TASKS:
             name = probe_name(d, h, tasks)
@@ -135,9 +141,7 @@ def step0() -> None:
             record["probes"].append(entry)
             OUT.write_text(json.dumps(record, indent=1) + "\n")
             print(f"{name}: value accuracy {result['value_accuracy']:.3f} ({result['seconds']} s)", flush=True)
-            if os.environ.get("COMMIT") == "1":
-                subprocess.run(["bash", "-c", "source mini_moe/results/commit_result.sh && "
-                                f'commit_result {OUT} "issue 65 step 0: {name}"'], check=False)
+            _commit_record(f"issue 65 step 0: {name}")
 
 
 def choose(record: dict) -> dict:
@@ -207,9 +211,7 @@ def calibrate(settings: list[str], seeds=(0, 1)) -> None:
                 print(f"{name}: {entry['status']} validation at 2000/3000: {at.get(2000)}/{at.get(3000)} "
                       f"routing {[round(r['routing_accuracy'], 3) for r in entry.get('routing', [])]} "
                       f"({entry['wall_seconds']} s)", flush=True)
-                if os.environ.get("COMMIT") == "1":
-                    subprocess.run(["bash", "-c", "source mini_moe/results/commit_result.sh && "
-                                    f'commit_result {OUT} "issue 65 calibration: {name}"'], check=False)
+                _commit_record(f"issue 65 calibration: {name}")
 
 
 def targets(record: dict, dataset: str, seeds=(0, 1)) -> dict:
