@@ -89,6 +89,10 @@ class TrainConfig:
     # "cosine": linear warmup, then cosine decay to 1 % at `steps`; "constant": linear warmup,
     # then the learning rate held (every step count is then a budget of the same run).
     schedule: str = "cosine"
+    # With schedule "constant": the last `cooldown_steps` steps take the rate linearly down to 0
+    # (warmup-stable-decay). A run cut from a constant one at a kept checkpoint then anneals it
+    # (train.train(branch_from=...)): every budget of one constant run, annealed, for 20 % more steps.
+    cooldown_steps: int = 0
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
     aux_loss_weight: float = 0.01  # weight of the routers' auxiliary losses
@@ -131,6 +135,13 @@ class TrainConfig:
             raise InputError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}.")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise InputError(f"warmup_steps must be in [0, steps={self.steps}), got {self.warmup_steps!r}.")
+        check_int("cooldown_steps", self.cooldown_steps, 0)
+        if self.cooldown_steps and self.schedule != "constant":
+            raise InputError(f"cooldown_steps={self.cooldown_steps} needs schedule='constant' (a cosine schedule "
+                             f"decays already), got schedule={self.schedule!r}.")
+        if self.cooldown_steps > self.steps - self.warmup_steps:
+            raise InputError(f"cooldown_steps must be at most steps - warmup_steps = {self.steps - self.warmup_steps}, "
+                             f"got {self.cooldown_steps}.")
         if self.mesh is not None:
             if len(self.mesh) != 2 or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.mesh):
                 raise InputError(f"mesh must be (data, expert) with integers >= 1, got {self.mesh!r}.")

@@ -108,24 +108,32 @@ def make_optimizer(model: VisionMoE, cfg: TrainConfig) -> nnx.Optimizer:
     """AdamW on a linear warmup, then cosine decay (or, with ``cfg.schedule="constant"``, a
     constant rate), with global-norm clipping; weight decay on the weight matrices only
     (:func:`weight_decay_mask`)."""
-    tx = _transform(cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.weight_decay, cfg.grad_clip, cfg.schedule)
+    tx = _transform(cfg.learning_rate, cfg.warmup_steps, cfg.steps, cfg.weight_decay, cfg.grad_clip, cfg.schedule,
+                    cfg.cooldown_steps)
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def learning_rate_schedule(learning_rate: float, warmup_steps: int, steps: int, schedule: str = "cosine"):
+def learning_rate_schedule(learning_rate: float, warmup_steps: int, steps: int, schedule: str = "cosine",
+                           cooldown_steps: int = 0):
     """The learning rate at each step (an optax schedule): linear from 0 to ``learning_rate`` over
     ``warmup_steps``, then a cosine decay to 1 % of it at ``steps`` (``"cosine"``) or held
     (``"constant"``: a run evaluated at several steps then gives every one of them as a budget
-    with the same rate, issue 51)."""
+    with the same rate, issue 51). With ``"constant"`` and ``cooldown_steps`` > 0 the rate falls
+    linearly from ``learning_rate`` at ``steps - cooldown_steps`` to 0 at ``steps``
+    (warmup-stable-decay): until then it is the constant schedule, step for step."""
     if schedule == "constant":
-        return optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps),
-                                     optax.constant_schedule(learning_rate)], [warmup_steps])
+        parts = [optax.linear_schedule(0.0, learning_rate, warmup_steps), optax.constant_schedule(learning_rate)]
+        bounds = [warmup_steps]
+        if cooldown_steps:
+            parts.append(optax.linear_schedule(learning_rate, 0.0, cooldown_steps))
+            bounds.append(steps - cooldown_steps)
+        return optax.join_schedules(parts, bounds)
     return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps, steps, end_value=learning_rate * 0.01)
 
 
 @functools.lru_cache(maxsize=64)
 def _transform(learning_rate: float, warmup_steps: int, steps: int, weight_decay: float,
-               grad_clip: float, schedule: str = "cosine") -> optax.GradientTransformation:
+               grad_clip: float, schedule: str = "cosine", cooldown_steps: int = 0) -> optax.GradientTransformation:
     """The optax transformation of :func:`make_optimizer`, one object per set of hyperparameters.
 
     It is stateless (its state lives in the optimizer), so runs may share it, and they should:
@@ -133,7 +141,8 @@ def _transform(learning_rate: float, warmup_steps: int, steps: int, weight_decay
     step by that structure. A new object per run would compile the same step again for every
     run of a study or every resume (measured: 9 s of a 10 s two-layer run on a 2-core EPYC).
     """
-    adamw = optax.adamw(learning_rate_schedule(learning_rate, warmup_steps, steps, schedule), weight_decay=weight_decay, mask=weight_decay_mask)
+    adamw = optax.adamw(learning_rate_schedule(learning_rate, warmup_steps, steps, schedule, cooldown_steps),
+                        weight_decay=weight_decay, mask=weight_decay_mask)
     return optax.chain(optax.clip_by_global_norm(grad_clip), adamw)
 
 
@@ -500,8 +509,43 @@ def _check_start(out_dir, saved, wanted) -> None:
             return ("from cfg.seed's initialisation at step 0" if record is None else
                     f"at step {record['step']} from {record['from']} (weights {record['fingerprint'][:12]})")
         raise InputError(f"{out_dir} holds checkpoints of a run that started {say(saved)}; this call starts "
-                         f"{say(wanted)}. Pass the same init_from and start_step to resume it, or use another "
+                         f"{say(wanted)}. Pass the same init_from and start_step (or branch_from) to resume it, or use another "
                          "out_dir, or resume=False to replace it.")
+
+
+#: The fields in which a branch may differ from the run it is cut from (train's ``branch_from``):
+#: its length and cooldown, and how often it evaluates, checkpoints and keeps checkpoints.
+BRANCH_MAY_CHANGE = ("steps", "cooldown_steps", "keep_every", "checkpoint_every", "eval_every")
+
+
+def _branch_source(branch_from, cfg: TrainConfig):
+    """``(folder, step, manager)`` of ``train``'s ``branch_from``, after checking that the run in
+    ``folder`` kept checkpoint ``step`` and that up to it that run and ``cfg`` are the same run: the
+    same configuration but for :data:`BRANCH_MAY_CHANGE`, and the same rate at every step before
+    ``step`` (both constant there)."""
+    if not (isinstance(branch_from, (tuple, list)) and len(branch_from) == 2):
+        raise InputError(f"branch_from must be (run folder, kept step), got {branch_from!r}.")
+    folder, step = pathlib.Path(branch_from[0]), branch_from[1]
+    if not (folder / "config.json").exists():
+        raise InputError(f"branch_from: {folder} holds no run (no config.json); train the constant-rate run first.")
+    source = config_from_json(json.loads((folder / "config.json").read_text()))
+    a, b = _as_saved(source), _as_saved(cfg)
+    differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in BRANCH_MAY_CHANGE)
+    if differ:
+        raise InputError(f"branch_from: the run in {folder} differs from this configuration in {', '.join(differ)}; "
+                         f"a branch may change only {', '.join(BRANCH_MAY_CHANGE)}.")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 < step < cfg.steps:
+        raise InputError(f"branch_from's step must be an integer in (0, steps={cfg.steps}), got {step!r}.")
+    if cfg.schedule != "constant" or step > min(cfg.steps - cfg.cooldown_steps, source.steps - source.cooldown_steps):
+        raise InputError(f"branch_from: step {step} must lie where both runs hold the same constant rate "
+                         f"(schedule='constant', step <= steps - cooldown_steps in both), got schedule="
+                         f"{cfg.schedule!r}, steps={cfg.steps}, cooldown_steps={cfg.cooldown_steps} here and "
+                         f"steps={source.steps}, cooldown_steps={source.cooldown_steps} there.")
+    manager = _manager(folder, source.keep_every)
+    if step not in manager.all_steps():
+        raise InputError(f"branch_from: {folder} did not keep step {step} (it holds {sorted(manager.all_steps())}); "
+                         "train it with keep_every dividing that step.")
+    return folder, step, manager
 
 
 def plateaued(evals: list[dict], patience: int, min_delta: float) -> bool:
@@ -517,7 +561,7 @@ def plateaued(evals: list[dict], patience: int, min_delta: float) -> bool:
 
 
 def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = True, datasets=None,
-          init_from=None, start_step: int = 0, measure=None, measure_at=()) -> dict:
+          init_from=None, start_step: int = 0, branch_from=None, measure=None, measure_at=()) -> dict:
     """Train ``cfg`` into ``out_dir``; returns the history (also written as JSON).
 
     Args:
@@ -543,6 +587,13 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         and its checkpoints and logs are numbered by them. The learning-rate schedule counts
         the optimizer's own updates from 0: a ``"cosine"`` schedule would end at
         ``cfg.steps - start_step`` updates unfinished, so use ``schedule="constant"``.
+      branch_from: ``(run_folder, step)``: continue that run from its kept checkpoint ``step`` (its
+        weights, optimizer state and step count) into ``out_dir`` under ``cfg``, which may differ
+        from the run's configuration only in :data:`BRANCH_MAY_CHANGE`, where both hold the same
+        constant rate up to ``step``. A cooldown branch: a constant-rate run with ``keep_every``,
+        branched at 80 % of a budget B with ``steps=B, cooldown_steps=B // 5``, is that budget
+        annealed, step for step the run that had annealed from the start. ``history["start"]``
+        records it as ``init_from`` does, so the branch resumes from its own checkpoints.
       measure, measure_at: ``measure(step, model)`` is called when ``step`` training steps are
         done, for each ``step`` in ``measure_at`` (also ``start_step``: before the first
         update of a new run), outside the training clock; ``model`` is the live model in
@@ -556,8 +607,12 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         check_saved_config(out_dir, cfg)
     if isinstance(start_step, bool) or not isinstance(start_step, int) or not 0 <= start_step < cfg.steps:
         raise InputError(f"start_step must be an integer in [0, steps={cfg.steps}), got {start_step!r}.")
+    if branch_from is not None and (init_from is not None or start_step):
+        raise InputError("branch_from continues another run from its checkpoint; pass it without init_from "
+                         "and start_step.")
     if start_step and init_from is None:
         raise InputError("start_step > 0 needs init_from: the weights that step starts from.")
+    branch = None if branch_from is None else _branch_source(branch_from, cfg)
     train_ds, test_ds = datasets if datasets is not None else load_data(cfg)
     model = make_model(cfg)  # data and model first: a failed start leaves out_dir untouched
     wanted_start = None
@@ -566,6 +621,11 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         start_from(model, state)
         wanted_start = {"step": start_step, "from": source, "fingerprint": state_fingerprint(state)}
     optimizer = make_optimizer(model, cfg)
+    if branch is not None:  # the weights, Adam's moments and its step count, as the run kept them
+        folder, start_step, source_manager = branch
+        restore_checkpoint(source_manager, model, optimizer, start_step)
+        wanted_start = {"step": start_step, "from": {"branch": str(folder.resolve()), "step": start_step},
+                        "fingerprint": state_fingerprint(nnx.state(model)) + state_fingerprint(nnx.state(optimizer))}
     if not resume:  # a new run: nothing of a previous one may survive (Orbax keeps newer steps)
         shutil.rmtree(out_dir / "checkpoints", ignore_errors=True)
         history_path.unlink(missing_ok=True)

@@ -1,9 +1,14 @@
-"""Issue 65: does learned routing matter on pixels? The calibration, step 0 (per token, no ViT).
+"""Issue 65: does learned routing matter on pixels? Step 0 (per token, no ViT), the ViT
+calibration, and the rate pilot.
 
 Usage (from the repository root, pinned to one core)::
 
     COMMIT=1 taskset -c 1 .venv/bin/python mini_moe/results/pixel_routing.py step0
     .venv/bin/python mini_moe/results/pixel_routing.py choose     # the decision, from the record
+    COMMIT=1 taskset -c 1 .venv/bin/python mini_moe/results/pixel_routing.py calibrate
+    .venv/bin/python mini_moe/results/pixel_routing.py targets    # T1-T3 and the setting kept
+    COMMIT=1 taskset -c 1 .venv/bin/python mini_moe/results/pixel_routing.py pilot
+    .venv/bin/python mini_moe/results/pixel_routing.py rates      # each arm's rate, by the pilot's rule
 
 ``step0`` asks whether a *collision* costs on :func:`mini_moe.data.subtask_vote` before any ViT is
 trained (the design of the 2026-11-28 study audit, §4.4). One GELU MLP of the experts' width (64
@@ -53,6 +58,29 @@ pixels, so no learned-routing study can find anything there, and chapter 9 says 
 study goes on with the setting that meets T1, T2 and T3 with the largest mean oracle - blind at
 2,000 steps; if no setting meeting T1 also meets T2 and T3, with the one meeting T1 with the
 largest mean oracle - blind, the targets it misses stated as limitations in registration v3.
+
+The rate pilot (``pilot``; written before its first run, 2026-11-29), on the setting the
+calibration chose (``subtask_vote_d8_h16``), seed 0, the audit's design with one deviation:
+
+* five arms: the calibration's four and ``frozen`` (``learned`` with its router's weights held at
+  their initialisation; descriptive in the study); three rates, 1e-3, 2e-3 and 4e-3. The audit
+  takes 2e-3 from the calibration; here it is trained again, because the calibration kept no
+  checkpoints to branch from and had no frozen arm, so that all three rates come from one commit
+  and one procedure;
+* each run: 3,000 steps at its constant rate after 100 warmup steps, checkpoints kept every 400
+  steps, validation accuracy every 250 steps (the constant-rate curve, descriptive);
+* each budget B in 500, 1,000, 2,000 and 3,000 is *annealed*: a branch from the checkpoint at
+  0.8 B (400, 800, 1,600, 2,400) whose rate falls linearly to 0 over the last 0.2 B steps
+  (``train.train(branch_from=...)``, ``cooldown_steps``); its validation accuracy at B is the
+  budget's number, and the routed arms' layer-1 routing accuracy on the test images is recorded
+  with it;
+* **rule**: each arm's rate in the confirmatory study is the rate with the highest annealed
+  validation accuracy at B = 2,000 (ties within 0.1 point: the lower rate). The best rate at
+  each other budget is recorded; where it differs, registration v3 states it as a limitation, no
+  run is repeated. A best rate at an end of the grid (1e-3 or 4e-3) is stated as a limitation too
+  (the optimum may lie outside it); the grid is not extended. A run that stops on a non-finite
+  loss counts as failed at that rate and is recorded;
+* the pilot's numbers are exploratory, on the validation split; none is a result of the study.
 """
 
 from __future__ import annotations
@@ -82,13 +110,18 @@ def probe_name(d: int, h: int, tasks: int) -> str:
 #: The calibration's arms: name -> (router, extra router options).
 ARMS = {"dense": (None, {}), "learned": ("softmax_token_choice", {}), "oracle": ("raw_oracle", {"dataset": None}),
         "blind": ("raw_blind", {})}
+#: The rate pilot's arms (the calibration's and the frozen control), rates and annealed budgets.
+PILOT_ARMS = {**ARMS, "frozen": ("softmax_token_choice", {"frozen": True})}
+PILOT_RATES = (1e-3, 2e-3, 4e-3)
+BUDGETS = (500, 1000, 2000, 3000)
+COOLDOWN = 0.2  # the annealed share of each budget
 CALIBRATION = dict(steps=3000, eval_every=250, schedule="constant", learning_rate=2e-3, model_depth=1)
 RUNS = pathlib.Path(os.environ.get("PIXEL_RUNS", "runs/pixel-routing"))
 
 
 def arm_config(arm: str, dataset: str, seed: int, **overrides):
     """The :class:`~mini_moe.config.TrainConfig` of one calibration run (see the module docstring)."""
-    router, options = ARMS[arm]
+    router, options = PILOT_ARMS[arm]
     options = {k: dataset if k == "dataset" else v for k, v in options.items()}
     extra = {"model_placement": "none" if router is None else "last1"}
     if options:
@@ -214,6 +247,98 @@ def calibrate(settings: list[str], seeds=(0, 1)) -> None:
                 _commit_record(f"issue 65 calibration: {name}")
 
 
+def _routing(out_dir, dataset: str, test) -> list[dict]:
+    """Layer-1 routing accuracy of the run in ``out_dir`` against the sub-task of each test patch."""
+    from mini_moe import data, evaluate, train
+
+    model, _ = train.load_trained(out_dir)
+    tasks, _ = data.subtask_vote_tasks("test", **data.subtask_vote_options(dataset))
+    return [{k: v for k, v in layer.items() if k != "counts"}
+            for layer in evaluate.routing_accuracy(model, test.images, tasks)]
+
+
+def pilot(dataset: str, seed: int = 0) -> None:
+    """The rate pilot of the module docstring: every (arm, rate) not yet recorded, its constant run
+    and its four cooldown branches, recorded (and with ``COMMIT=1`` committed) as each finishes."""
+    import dataclasses
+    import time
+    import traceback
+
+    from mini_moe import train
+
+    arms = [a for a in PILOT_ARMS if a in os.environ.get("ARMS_ONLY", ",".join(PILOT_ARMS)).split(",")]
+    for rate in PILOT_RATES:
+        for arm in arms:
+            name = f"pilot-{dataset}-{arm}-lr{rate:g}-s{seed}"
+            if any(r["name"] == name and r["status"] == "ok" for r in load().get("pilot", [])):
+                continue
+            entry = {"name": name, "dataset": dataset, "arm": arm, "seed": seed, "learning_rate": rate,
+                     "status": "ok", "command": f"COMMIT=1 taskset -c {os.environ.get('CORE', '1')} .venv/bin/python "
+                                                f"mini_moe/results/pixel_routing.py pilot",
+                     "source_commit": _commit(), "source_dirty": _dirty()}
+            tick = time.perf_counter()
+            try:
+                cfg = arm_config(arm, dataset, seed, learning_rate=rate, keep_every=400, checkpoint_every=200)
+                entry["config"] = json.loads(json.dumps(dataclasses.asdict(cfg), default=list))
+                train_part, validation, test = routing_pilot.splits(cfg)
+                history = train.train(cfg, RUNS / name, progress=False, datasets=(train_part, validation))
+                entry |= {"train_seconds": round(history["seconds"], 2),
+                          "constant": [{"step": e["step"], "validation_accuracy": e["test_accuracy"]}
+                                       for e in history["eval"]], "budgets": []}
+                for budget in BUDGETS:
+                    cooldown = round(COOLDOWN * budget)
+                    branch = dataclasses.replace(cfg, steps=budget, cooldown_steps=cooldown, keep_every=0,
+                                                 checkpoint_every=cooldown, eval_every=budget)
+                    out = RUNS / f"{name}-B{budget}"
+                    h = train.train(branch, out, progress=False, datasets=(train_part, validation),
+                                    branch_from=(RUNS / name, budget - cooldown))
+                    row = {"budget": budget, "branch_from": budget - cooldown, "cooldown_steps": cooldown,
+                           "validation_accuracy": h["eval"][-1]["test_accuracy"], "train_seconds": round(h["seconds"], 2)}
+                    if cfg.model.router is not None:
+                        row["routing"] = _routing(out, dataset, test)
+                    entry["budgets"].append(row)
+            except Exception as e:  # recorded (a non-finite loss too); the pilot goes on
+                entry |= {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                          "traceback": traceback.format_exc()[-2000:]}
+            entry["wall_seconds"] = round(time.perf_counter() - tick, 1)
+            record = load()
+            record["pilot"] = [r for r in record.get("pilot", []) if r["name"] != name] + [entry]
+            OUT.write_text(json.dumps(record, indent=1) + "\n")
+            print(f"{name}: {entry['status']} annealed validation "
+                  f"{[(b['budget'], round(b['validation_accuracy'], 4)) for b in entry.get('budgets', [])]} "
+                  f"({entry['wall_seconds']} s)", flush=True)
+            _commit_record(f"issue 65 rate pilot: {name}")
+
+
+def pilot_rates(record: dict, dataset: str, seed: int = 0) -> dict:
+    """The pilot's rule (module docstring): per arm, the annealed validation accuracy at each rate
+    and budget, the best rate at each budget, the chosen rate (best at 2,000 steps, ties within 0.1
+    point to the lower rate) and the limitations; ``complete`` False while a run is missing."""
+    runs = {(r["arm"], r["learning_rate"]): r for r in record.get("pilot", [])
+            if r["dataset"] == dataset and r["seed"] == seed}
+    out = {"dataset": dataset, "complete": all((a, lr) in runs for a in PILOT_ARMS for lr in PILOT_RATES), "arms": {}}
+    for arm in PILOT_ARMS:
+        acc = {}
+        for lr in PILOT_RATES:
+            r = runs.get((arm, lr))
+            if r is not None:  # a failed run scores -inf at every budget
+                got = {b["budget"]: b["validation_accuracy"] for b in r.get("budgets", [])} if r["status"] == "ok" else {}
+                acc[lr] = {B: got.get(B, float("-inf")) for B in BUDGETS}
+        best = {}
+        for B in BUDGETS:
+            if len(acc) == len(PILOT_RATES):
+                top = max(acc[lr][B] for lr in PILOT_RATES)
+                best[B] = min(lr for lr in PILOT_RATES if acc[lr][B] >= top - 0.001)
+        chosen = best.get(2000)
+        limitations = [f"best rate at {B} steps is {best[B]:g}, not {chosen:g}" for B in BUDGETS
+                       if chosen is not None and best[B] != chosen]
+        if chosen in (PILOT_RATES[0], PILOT_RATES[-1]):
+            limitations.append(f"the chosen rate {chosen:g} is at an end of the grid")
+        out["arms"][arm] = {"accuracy": {f"{lr:g}": {str(B): a for B, a in v.items()} for lr, v in acc.items()},
+                            "best": {str(B): lr for B, lr in best.items()}, "rate": chosen, "limitations": limitations}
+    return out
+
+
 def targets(record: dict, dataset: str, seeds=(0, 1)) -> dict:
     """T1-T3 of the module docstring for one setting, from the calibration's validation curves
     (None where a run is missing)."""
@@ -250,8 +375,8 @@ def decision(record: dict) -> dict:
 
 if __name__ == "__main__":
     groups = sys.argv[1:]
-    if not groups or any(g not in ("step0", "choose", "calibrate", "targets") for g in groups):
-        sys.exit("usage: pixel_routing.py step0 | choose | calibrate | targets")
+    if not groups or any(g not in ("step0", "choose", "calibrate", "targets", "pilot", "rates") for g in groups):
+        sys.exit("usage: pixel_routing.py step0 | choose | calibrate | targets | pilot | rates")
     if "step0" in groups:
         step0()
     if "choose" in groups:
@@ -266,3 +391,10 @@ if __name__ == "__main__":
         calibrate([d for d in chosen["chosen"] if not only or d in only.split(",")])
     if "targets" in groups:
         print(json.dumps(decision(load()), indent=1))
+    if "pilot" in groups or "rates" in groups:
+        outcome = decision(load())
+        if outcome["stop"] is not False:
+            sys.exit("the calibration has not chosen a setting to go on with (`pixel_routing.py targets`)")
+        if "pilot" in groups:
+            pilot(outcome["setting"])
+        print(json.dumps(pilot_rates(load(), outcome["setting"]), indent=1))
