@@ -33,8 +33,8 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.explorer` — the routing explorer: one image's patches by expert, dropped ones,
   the load against capacity, live controls in Jupyter and Colab (``explorer.explore(model, images)``).
 * :mod:`mini_moe.labs` — graded labs: a student's router pieces checked against the library
-  (``python -m mini_moe labs check FILE.py``), or a class (``labs grade FOLDER``); :mod:`mini_moe.labs_worker`
-  runs a submission's code in a process of its own.
+  (``python -m mini_moe labs check FILE.py``), or a class (``labs grade FOLDER``); :mod:`mini_moe.labs.worker`
+  runs a submission's code in a sandboxed process of its own.
 * :mod:`mini_moe.study` — the head-to-head router study.
 * :mod:`mini_moe.stats` — the statistics every comparison uses (paired t, Holm, Wilson, exact
   McNemar, bootstrap).

@@ -213,12 +213,13 @@ def _add_labs(sub):
     p.add_argument("--timeout", type=float, default=None, help="seconds a lab may take (default 120)")
     p.add_argument("--jobs", type=int, default=None, help="labs checked at once (default: 1 for check, the cores "
                    "for grade)")
+    p.add_argument("--unsandboxed", action="store_true", help="'grade' without Linux's Landlock (macOS, old "
+                   "kernels): only the process limits hold; a submission could read the library and other "
+                   "submissions (book page 15)")
     p.set_defaults(func=_labs)
 
 
 def _labs(args):
-    import csv
-
     from mini_moe import labs
 
     if args.action == "list":
@@ -234,17 +235,14 @@ def _labs(args):
     if args.action == "grade":
         if not args.out:
             raise InputError("labs grade needs --out FILE.csv, the gradebook to write.")
-        rows = labs.grade(args.path, seed=args.seed, timeout=timeout, jobs=args.jobs)
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        rows = labs.grade(args.path, seed=args.seed, timeout=timeout, jobs=args.jobs, out=args.out,
+                          sandbox="best" if args.unsandboxed else "required")
         students = sorted({r["student"] for r in rows})
         for student in students:
             mine = [r for r in rows if r["student"] == student]
             passed = sum(r["status"] == "passed" for r in mine)
-            print(f"{student:24s} {passed} of {len([r for r in mine if r['lab']])} labs passed"
-                  + ("" if all(r["lab"] for r in mine) else f"  ({mine[0]['message']})"))
+            print(f"{labs.text(student, 24):24s} {passed} of {len([r for r in mine if r['lab']])} labs passed"
+                  + ("" if all(r["lab"] for r in mine) else f"  ({labs.text(mine[0]['message'], 200)})"))
         print(f"wrote {args.out}: {len(rows)} rows, {len(students)} students")
         return
     results = labs.check_file(args.path, seed=args.seed, timeout=timeout, jobs=args.jobs or 1)
@@ -253,7 +251,7 @@ def _labs(args):
                            "message": r.message} for r in results]))
     else:
         for r in results:
-            print(f"{r.lab:24s} {'passed' if r.passed else 'FAILED'}")
+            print(f"{r.lab:24s} {'passed' if r.passed else labs.status(r).upper()}")
         for r in results:
             if r.message:
                 print(f"\n{r}")

@@ -401,7 +401,7 @@ def test_failures_are_reported_clearly():
     assert "first difference: token " in report and ", expert " in report and ", slot " in report
     assert "expected 0, got 1" in report or "expected 1, got 0" in report
     assert len(report.splitlines()) <= 20, report  # a few lines, not whole tensors
-    assert "first difference: output 1 (2 outputs), token " in labs.check(
+    assert "first difference: output 1 (of 2), token " in labs.check(
         "ch06.soft_routing", MUTANTS["ch06.soft_routing"][1]).message
     with pytest.raises(ValueError, match="Unknown lab"):
         labs.check("ch99.nothing", stub)

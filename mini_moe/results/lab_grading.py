@@ -58,7 +58,8 @@ def main(argv=None) -> int:
         tick = time.perf_counter()
         with ThreadPoolExecutor(jobs) as pool:
             library = [str(ROOT), *sys.path]  # the library importable: see the module docstring
-            results = list(pool.map(lambda t: labs.run_sandboxed(t[2], t[0], t[1], sys_path=library), tasks))
+            results = list(pool.map(lambda t: labs.run_sandboxed(t[2], t[0], t[1], sys_path=library,
+                                                                 readable=library), tasks))
         wall = time.perf_counter() - tick
     if not all(r.passed for r in results):
         sys.exit("lab_grading: the library's own functions failed: " + "; ".join(str(r) for r in results if not r.passed))
