@@ -89,7 +89,7 @@ def register(lab: Lab) -> Lab:
     return lab
 
 
-#: A result's status: what the grader decided, never read back from a message.
+#: The statuses a result can have, as the grader decides them (never read back from a message).
 STATUSES = ("passed", "failed", "not implemented", "refused", "timed out", "error")
 
 

@@ -460,7 +460,7 @@ def _cell(value) -> str:
 
 def write_gradebook(rows: list[dict], path) -> None:
     """Write ``rows`` as the gradebook CSV at ``path`` (:data:`COLUMNS`; every cell made safe by
-    :func:`_cell`), through a temporary file, so a reader never sees half of it."""
+    ``_cell``), through a temporary file, so a reader never sees half of it."""
     import csv
 
     path = pathlib.Path(path)
