@@ -377,6 +377,78 @@ def routing_accuracy(model, images: np.ndarray, tasks: np.ndarray, *, batch_size
     return result
 
 
+def router_inputs(model, images: np.ndarray, *, batch_size: int = 400) -> list[np.ndarray]:
+    """What each MoE layer's router reads from the representation: per MoE layer, ``float32
+    [N, P, D]``, the layer-normed residual stream that enters the layer, for every image. The
+    model's own modules in the order its forward calls them (patch embedding, position, each
+    block's attention, then the MoE layer's norm); ``tests/test_raw_key.py`` checks that routing
+    these inputs gives the model's own picks."""
+    from mini_moe.model import patchify
+
+    cfg = model.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    layers = None
+    with modes.eval_mode(model):
+        for chunk, n in _padded_chunks(model, images, batch_size):
+            patches = patchify(jnp.asarray(chunk), cfg.patch_size)
+            x = model.embed(patches.astype(dtype)) + model.pos[...].astype(dtype)
+            found = []
+            for block in model.blocks:
+                if block.use_moe:
+                    found.append(np.asarray(block.norm2(x + block.attn(block.norm1(x))), np.float32)[:n])
+                x, _ = block(x, None, patches)
+            layers = [[f] for f in found] if layers is None else [a + [f] for a, f in zip(layers, found)]
+    return [np.concatenate(parts) for parts in layers or []]
+
+
+def _picked_expert(router, inputs: np.ndarray, group_images: int) -> np.ndarray:
+    """``int [N, P]``: each patch's first picked expert under ``router`` (its picks before any
+    capacity cut), the inputs routed in groups of ``group_images`` images."""
+    n, p, d = inputs.shape
+    grouped = jnp.asarray(inputs.reshape(n // group_images, group_images * p, d))
+    with modes.eval_mode(router):
+        picks = np.asarray(router(grouped).picks)
+    return picks.reshape(n, p, -1).argmax(-1)
+
+
+def fresh_router_accuracy(model, images: np.ndarray, tasks: np.ndarray, *, draws: int = 5, seed: int = 0,
+                          layer: int = 0) -> dict:
+    """The steering test of issue 65: on the inputs MoE layer ``layer`` receives from the trained
+    trunk (:func:`router_inputs`), the routing accuracy of the layer's own router and of
+    ``draws`` fresh routers of its kind and options (new initialisations, seeds ``seed`` ...).
+
+    Each patch goes to the expert its router picks (before any capacity cut); sub-tasks are
+    matched one-to-one to experts by the Hungarian algorithm (:func:`routing_accuracy`'s
+    matching). A trunk that *steers* its inputs toward a fixed router's projection makes that
+    router route better than fresh ones; a trunk that merely *clusters* the patches by sub-task
+    lets any projection route about as well. Returns ``{"own": accuracy, "fresh": [accuracies]}``.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    from mini_moe import routers as routers_lib
+
+    cfg = model.cfg
+    if not 0 <= layer < len(cfg.moe_blocks()):
+        raise InputError(f"layer must be in [0, {len(cfg.moe_blocks())}) (the model's MoE layers), got {layer}.")
+    if routers_lib.spec(cfg.router).reads == "pixels":
+        raise InputError(f"{cfg.router} reads the raw patches, not the representation: there is nothing to steer.")
+    tasks = np.asarray(tasks)
+    inputs = router_inputs(model, images)[layer]
+    group = modes.group_images(model)
+
+    def accuracy(expert):
+        counts = assignment_counts(np.eye(cfg.routed_experts, dtype=np.float32)[expert],
+                                   np.ones(expert.shape + (cfg.routed_experts,), bool), tasks, int(tasks.max()) + 1)
+        rows, cols = linear_sum_assignment(-counts)
+        return float(counts[rows, cols].sum() / tasks.size)
+
+    own = [b for b in model.blocks if b.use_moe][layer].mlp.router
+    fresh = [routers_lib.make_router(cfg.router, cfg.dim, cfg.routed_experts, rngs=nnx.Rngs(seed + i),
+                                     **cfg.routed_options()) for i in range(draws)]
+    return {"own": accuracy(_picked_expert(own, inputs, group)),
+            "fresh": [accuracy(_picked_expert(r, inputs, group)) for r in fresh]}
+
+
 def group_routing(model, images: np.ndarray, *, layer: int = -1):
     """The :class:`~mini_moe.routing.Routing` of the first routing group of ``images`` in MoE
     layer ``layer`` (eval mode), with tensors ``[T, E, C]``: the first ``group_images`` images

@@ -101,8 +101,10 @@ def _class(folder: pathlib.Path, token: str) -> dict:
         # §1.7: a file name that is a spreadsheet formula; a file named as the worker, forging its records
         '=HYPERLINK("http:x.example").py': (RIGHT, "passed"),
         "labs_worker.py": (WRONG + "if __name__ == '__main__':\n"
-                           "    import json, math, pathlib, sys\n    import numpy as np\n"
+                           "    import json, math, pathlib, sys\n"
                            "    job = pathlib.Path(sys.argv[1])\n"
+                           "    sys.path[:] = json.loads((job / 'job.json').read_text())['sys_path']\n"
+                           "    import numpy as np\n"
                            "    for i, case in enumerate(json.loads((job / 'job.json').read_text())['cases']):\n"
                            "        kw = {k: v['value'] for k, v in case['kwargs'].items()}\n"
                            "        right = max(1, math.floor(kw['factor'] * kw['num_tokens'] / kw['num_experts'] + 0.5))\n"
@@ -126,6 +128,8 @@ def test_a_hostile_class_costs_each_student_only_their_own_row(tmp_path):
     folder = tmp_path / "class"
     folder.mkdir()
     students, forged = _class(folder, token)
+    if worker.landlock_abi() < 6:  # Landlock scopes signals from Linux 6.12 (ABI 6): before, the rows done are kept
+        del students["lee_killer.py"]
     for name, (source, _) in students.items():
         (folder / name).write_bytes(source if isinstance(source, bytes) else source.encode())
     page = nbformat.v4.new_notebook(cells=[  # §1.8: the function and its check in one cell

@@ -248,3 +248,41 @@ def test_bad_input_names_the_argument():
         routers.register("never_registered", allocation="token", reads="logits")
     with pytest.raises(InputError, match="dataset"):  # a configuration on other data: refused at build
         train.make_model(config_lib.get_config("quick", dataset="digits", router="raw_oracle", **TINY))
+
+
+# ------------------------------------------------------------------- the steering test's pieces
+
+
+def test_router_inputs_route_to_the_models_own_picks(sv):
+    """:func:`mini_moe.evaluate.router_inputs` is what the MoE layer's router reads: routing it
+    with the layer's router gives the picks of the model's own forward, patch for patch."""
+    model = train.make_model(_cfg("softmax_token_choice", model_depth=1, model_placement="last1"))
+    images = sv["images"][:64]
+    with jax.disable_jit():
+        [inputs] = evaluate.router_inputs(model, images, batch_size=32)
+        own = evaluate._picked_expert([b for b in model.blocks if b.use_moe][0].mlp.router, inputs,
+                                      model.cfg.group_images)
+    assert inputs.shape == (64, 16, 16)
+    np.testing.assert_array_equal(own, _forward(model, images).argmax(-1))
+
+
+def test_fresh_routers_are_other_draws_and_the_own_router_is_measured_as_routing_accuracy(sv):
+    """On an untrained trunk, the layer's own router and fresh draws of it are all projections of
+    the same inputs: the own one's accuracy is the Hungarian-matched agreement of its picks with
+    the sub-tasks (computed here by hand), and the fresh draws differ from it and from each other."""
+    from scipy.optimize import linear_sum_assignment
+
+    cfg = _cfg("softmax_token_choice", model_depth=1, model_placement="last1", model_router_kwargs={"frozen": True})
+    model = train.make_model(cfg)
+    images, tasks = sv["images"][:64], sv["tasks"][:64]
+    with jax.disable_jit():
+        got = evaluate.fresh_router_accuracy(model, images, tasks, draws=3)
+        own = _forward(model, images).argmax(-1)
+    counts = np.zeros((8, 8))
+    np.add.at(counts, (tasks.ravel(), own.ravel()), 1)
+    rows, cols = linear_sum_assignment(-counts)
+    assert got["own"] == pytest.approx(counts[rows, cols].sum() / tasks.size)
+    assert len(got["fresh"]) == 3 and len(set(got["fresh"]) | {got["own"]}) > 1, got
+    with pytest.raises(ValueError, match="reads the raw patches"):
+        evaluate.fresh_router_accuracy(train.make_model(_cfg("raw_blind", model_depth=1, model_placement="last1")),
+                                       images, tasks)

@@ -339,6 +339,136 @@ def pilot_rates(record: dict, dataset: str, seed: int = 0) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ the confirmatory study (registration v3)
+
+#: mini_moe/results/pixel-routing-preregistration.md: seeds, arms, each arm's rate (the pilot's rule).
+SEEDS = (1, 2, 3, 4, 5, 6, 7)
+CONFIRM_ARMS = ("learned", "frozen", "oracle", "blind", "dense")
+RATES: dict = {}  # filled in by the registration's commit, from `pixel_routing.py rates`
+TARGET = 0.45  # steps to this validation accuracy on the constant-rate curve (secondary, descriptive)
+CONFIRM_OUT = pathlib.Path(os.environ.get("PIXEL_CONFIRM_OUT",
+                                          f"mini_moe/results/pixel-routing-confirmatory-{MACHINE}.json"))
+#: The family (Holm over these four): (name, first, second); a positive difference favours the first.
+FAMILY = (("C1 oracle - blind (routing positive control)", "oracle", "blind"),
+          ("C2 learned - blind", "learned", "blind"), ("C3 learned - oracle", "learned", "oracle"),
+          ("C4 learned - frozen", "learned", "frozen"))
+EQUIVALENCE = 1.25  # C3's TOST: the error ratio learned / oracle within [1/1.25, 1.25]
+
+
+def load_confirm() -> dict:
+    if CONFIRM_OUT.exists():
+        return json.loads(CONFIRM_OUT.read_text())
+    return {"what": "issue 65 registration v3: the confirmatory study (mini_moe/results/pixel-routing-preregistration.md)",
+            "machine": bench.machine(), "cells": []}
+
+
+def confirm_cell(dataset: str, arm: str, seed: int) -> dict:
+    """Train one cell of the registration (its constant run and four cooldown branches) and measure
+    it: test accuracy at every budget, layer-1 routing accuracy of the routed arms, the steering test
+    of the learned and frozen arms, and the constant-rate validation curve."""
+    import dataclasses
+
+    from mini_moe import evaluate, train
+
+    name = f"conf-{dataset}-{arm}-s{seed}"
+    cfg = arm_config(arm, dataset, seed, learning_rate=RATES[arm], keep_every=400, checkpoint_every=200)
+    train_part, validation, test = routing_pilot.splits(cfg)
+    history = train.train(cfg, RUNS / name, progress=False, datasets=(train_part, validation))
+    curve = [{"step": e["step"], "validation_accuracy": e["test_accuracy"]} for e in history["eval"]]
+    reached = [e["step"] for e in curve if e["validation_accuracy"] >= TARGET]
+    entry = {"name": name, "dataset": dataset, "arm": arm, "seed": seed, "learning_rate": RATES[arm],
+             "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=list)),
+             "constant": curve, "steps_to_target": reached[0] if reached else None,
+             "train_seconds": round(history["seconds"], 2), "budgets": []}
+    tasks = None
+    for budget in BUDGETS:
+        cooldown = round(COOLDOWN * budget)
+        branch = dataclasses.replace(cfg, steps=budget, cooldown_steps=cooldown, keep_every=0,
+                                     checkpoint_every=cooldown, eval_every=budget)
+        out = RUNS / f"{name}-B{budget}"
+        h = train.train(branch, out, progress=False, datasets=(train_part, validation),
+                        branch_from=(RUNS / name, budget - cooldown))
+        model, _ = train.load_trained(out)
+        row = {"budget": budget, "test_accuracy": evaluate.accuracy(model, test),
+               "validation_accuracy": h["eval"][-1]["test_accuracy"], "train_seconds": round(h["seconds"], 2)}
+        if cfg.model.router is not None:
+            row["routing"] = _routing(out, dataset, test)
+        if arm in ("learned", "frozen"):
+            if tasks is None:
+                from mini_moe import data
+
+                tasks, _ = data.subtask_vote_tasks("test", **data.subtask_vote_options(dataset))
+            row["steering"] = evaluate.fresh_router_accuracy(model, test.images, tasks, draws=5, seed=1000)
+        entry["budgets"].append(row)
+    return entry
+
+
+def confirm(dataset: str) -> None:
+    """Every cell of the registration not yet recorded, seed by seed (so that finished seeds are
+    complete pairs), each recorded and (``COMMIT=1``) committed as it finishes; ``SEEDS_ONLY``
+    ("1,2") and ``ARMS_ONLY`` split the work between cores."""
+    import time
+    import traceback
+
+    if set(RATES) != set(CONFIRM_ARMS):
+        sys.exit("RATES is not filled in: the registration fixes each arm's rate before any cell")
+    seeds = [s for s in SEEDS if str(s) in os.environ.get("SEEDS_ONLY", ",".join(map(str, SEEDS))).split(",")]
+    arms = [a for a in CONFIRM_ARMS if a in os.environ.get("ARMS_ONLY", ",".join(CONFIRM_ARMS)).split(",")]
+    for seed in seeds:
+        for arm in arms:
+            name = f"conf-{dataset}-{arm}-s{seed}"
+            if any(c["name"] == name and c["status"] == "ok" for c in load_confirm()["cells"]):
+                continue
+            tick = time.perf_counter()
+            try:
+                entry = confirm_cell(dataset, arm, seed) | {"status": "ok"}
+            except Exception as e:  # recorded; the study goes on (a failed cell is reported, never dropped)
+                entry = {"name": name, "dataset": dataset, "arm": arm, "seed": seed, "status": "failed",
+                         "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+            entry |= {"wall_seconds": round(time.perf_counter() - tick, 1),
+                      "command": f"COMMIT=1 taskset -c {os.environ.get('CORE', '1')} .venv/bin/python "
+                                 f"mini_moe/results/pixel_routing.py confirm", "source_commit": _commit(),
+                      "source_dirty": _dirty()}
+            record = load_confirm()
+            record["cells"] = [c for c in record["cells"] if c["name"] != name] + [entry]
+            CONFIRM_OUT.write_text(json.dumps(record, indent=1) + "\n")
+            print(f"{name}: {entry['status']} test accuracy "
+                  f"{[(b['budget'], round(b['test_accuracy'], 4)) for b in entry.get('budgets', [])]} "
+                  f"({entry['wall_seconds']} s)", flush=True)
+            if os.environ.get("COMMIT") == "1":
+                subprocess.run(["bash", "-c", f'source mini_moe/results/commit_result.sh && commit_result '
+                                f'{CONFIRM_OUT} "issue 65 confirmatory: {name}"'], check=False)
+
+
+def analyse(record: dict, budget: int = 2000) -> dict:
+    """The registration's analysis at ``budget`` (2,000: the primary endpoint): on the seeds where
+    every arm finished, each contrast of :data:`FAMILY` as the mean paired difference in test
+    accuracy (points) with Student's t (df = seeds - 1) and its 95 % CI, Holm over the four, and
+    C3's TOST on the log error ratio within [-log 1.25, log 1.25]."""
+    import math
+
+    from mini_moe import confirm as confirm_lib
+    from mini_moe import stats
+
+    acc = {(c["arm"], c["seed"]): {b["budget"]: b["test_accuracy"] for b in c["budgets"]}
+           for c in record["cells"] if c["status"] == "ok"}
+    seeds = [s for s in SEEDS if all((a, s) in acc for a in CONFIRM_ARMS)]
+    rows = []
+    for name, first, second in FAMILY:
+        diffs = [100 * (acc[first, s][budget] - acc[second, s][budget]) for s in seeds]
+        rows.append({"name": name, "arms": [first, second], **stats.paired_t(diffs)} if len(diffs) else
+                    {"name": name, "arms": [first, second], "pairs": 0})
+    ps = [r.get("p_value", math.nan) for r in rows]
+    if len(seeds) >= 2:
+        for r, adjusted in zip(rows, stats.holm(ps)):
+            r["p_holm"] = adjusted
+        ratio = [math.log((1 - acc["learned", s][budget]) / (1 - acc["oracle", s][budget])) for s in seeds]
+        rows[2]["log_error_ratio"] = stats.paired_t(ratio)
+        rows[2]["tost_p"] = confirm_lib.tost(ratio, math.log(EQUIVALENCE))
+    means = {a: 100 * sum(acc[a, s][budget] for s in seeds) / len(seeds) for a in CONFIRM_ARMS} if seeds else {}
+    return {"budget": budget, "seeds": seeds, "means": means, "contrasts": rows}
+
+
 def targets(record: dict, dataset: str, seeds=(0, 1)) -> dict:
     """T1-T3 of the module docstring for one setting, from the calibration's validation curves
     (None where a run is missing)."""
@@ -375,8 +505,9 @@ def decision(record: dict) -> dict:
 
 if __name__ == "__main__":
     groups = sys.argv[1:]
-    if not groups or any(g not in ("step0", "choose", "calibrate", "targets", "pilot", "rates") for g in groups):
-        sys.exit("usage: pixel_routing.py step0 | choose | calibrate | targets | pilot | rates")
+    if not groups or any(g not in ("step0", "choose", "calibrate", "targets", "pilot", "rates", "confirm", "analyse")
+                         for g in groups):
+        sys.exit("usage: pixel_routing.py step0 | choose | calibrate | targets | pilot | rates | confirm | analyse")
     if "step0" in groups:
         step0()
     if "choose" in groups:
@@ -398,3 +529,7 @@ if __name__ == "__main__":
         if "pilot" in groups:
             pilot(outcome["setting"])
         print(json.dumps(pilot_rates(load(), outcome["setting"]), indent=1))
+    if "confirm" in groups:
+        confirm(decision(load())["setting"])
+    if "analyse" in groups:
+        print(json.dumps([analyse(load_confirm(), b) for b in BUDGETS], indent=1))
