@@ -30,6 +30,10 @@ run is reproducible and a resumed run continues exactly where it stopped.
 
 Augmentation with known geometry (random resized crops and the patch correspondences of
 paper 004) lives in :mod:`mini_moe.augment`.
+
+Why one module of some 800 lines: every dataset's loader, its synthetic generator and the
+ground truth the chapters measure against (e.g. :func:`subtask_vote_tasks`) must change together;
+split, a generator and its truth could drift apart.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ finite are the only verdict while they last, and a layer whose load is collapsin
 tokens, but only the load warning is given (its hint names the drops). Metrics come from
 :func:`mini_moe.evaluate.routing_record` and :func:`mini_moe.evaluate.routing_summary`, the ones
 :func:`mini_moe.evaluate.mechanisms` reports.
+
+Why one module of some 700 lines: each check, its threshold, its verdict and its hint are
+read side by side, so that a threshold and the sentence that explains it cannot drift apart.
 """
 
 from __future__ import annotations

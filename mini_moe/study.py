@@ -18,6 +18,9 @@ standard deviation per router and capacity) is rewritten after every cell.
 The statistics are paired over seeds (:func:`~mini_moe.stats.paired_t`, :func:`compare`), corrected for the
 number of comparisons (:func:`~mini_moe.stats.holm`), planned with :func:`seeds_for_power`, and paper 000's
 "allocation matters more than affinity" is tested by :func:`allocation_vs_affinity`.
+
+Why one module of some 600 lines: the study's cells, their configuration and the paired
+analysis of their results share the cell's key; the analysis reads exactly what the runner wrote.
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ step 0 would see from there on), with a fresh optimizer. ``history.json`` record
 started (``history["start"]``), and a folder that holds checkpoints of a run started otherwise is
 refused rather than resumed. ``measure`` / ``measure_at`` call a function on the model at chosen
 steps, outside the training clock.
+
+Why one module of some 700 lines: the training loop, its checkpoints, exact resume and the
+recorded start of a run (``init_from``, ``branch_from``) keep one invariant together, that a run
+never loses a checkpoint and never silently reuses another run's.
 """
 
 from __future__ import annotations
