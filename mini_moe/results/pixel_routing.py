@@ -344,7 +344,8 @@ def pilot_rates(record: dict, dataset: str, seed: int = 0) -> dict:
 #: mini_moe/results/pixel-routing-preregistration.md: seeds, arms, each arm's rate (the pilot's rule).
 SEEDS = (1, 2, 3, 4, 5, 6, 7)
 CONFIRM_ARMS = ("learned", "frozen", "oracle", "blind", "dense")
-RATES: dict = {}  # filled in by the registration's commit, from `pixel_routing.py rates`
+#: Each arm's rate, by the pilot's rule (`pixel_routing.py rates`), fixed by the registration's commit.
+RATES = {"learned": 4e-3, "frozen": 4e-3, "oracle": 4e-3, "blind": 4e-3, "dense": 4e-3}
 TARGET = 0.45  # steps to this validation accuracy on the constant-rate curve (secondary, descriptive)
 CONFIRM_OUT = pathlib.Path(os.environ.get("PIXEL_CONFIRM_OUT",
                                           f"mini_moe/results/pixel-routing-confirmatory-{MACHINE}.json"))
