@@ -4,7 +4,7 @@ Usage, from the repository root on an otherwise idle machine::
 
     .venv/bin/python mini_moe/results/lab_grading.py [--students 4] [--out mini_moe/results/lab-grading-<machine>.json]
 
-Grades ``--students`` copies of a full submission (all twelve labs, right answers) exactly as
+Grades ``--students`` copies of a full submission (every lab, right answers) exactly as
 ``python -m mini_moe labs grade`` does: every lab of every student in a process of its own
 (:func:`mini_moe.labs.run_sandboxed`), as many at once as the machine has cores. A right answer
 runs every case, eagerly and under ``jax.jit``, so this is the longest a submission takes. The
@@ -66,14 +66,14 @@ def main(argv=None) -> int:
     per_lab = {}
     for r in results:
         per_lab.setdefault(r.lab, []).append(r.seconds)
-    record = {"what": "seconds to grade full submissions (12 labs, right answers) as `labs grade` does, every lab "
+    record = {"what": f"seconds to grade full submissions ({len(labs.LABS)} labs, right answers) as `labs grade` does, every lab "
                       "in its own process, as many at once as there are cores",
               "command": "python mini_moe/results/lab_grading.py", "machine": bench.machine(),
               "source_commit": subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True,
                                               check=True).stdout.strip(),
               "source_dirty": bool(subprocess.run([*git, "status", "--porcelain", "--", "mini_moe"],
                                                   capture_output=True, text=True, check=True).stdout.strip()),
-              "load_average_before": load, "students": args.students, "jobs": jobs, "wall_seconds": round(wall, 1),
+              "load_average_before": load, "students": args.students, "labs": len(labs.LABS), "jobs": jobs, "wall_seconds": round(wall, 1),
               "seconds_per_submission": round(wall / args.students, 1),
               "seconds_per_lab": round(sum(r.seconds for r in results) / len(results), 2),
               "lab_seconds": {name: sorted(v) for name, v in per_lab.items()}}
