@@ -194,27 +194,34 @@ def read_submission(path, folder) -> Submission:
 # ------------------------------------------------------------------------- what a lab's process sees
 
 
+def _package_entries() -> list[pathlib.Path]:
+    """Every entry of the installed packages' folders but ``mini_moe``'s, an editable install's
+    finder and the ``.pth`` files (which could put the library back on the path)."""
+    import site
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    out = []
+    for directory in map(pathlib.Path, sorted({*site.getsitepackages(), paths["purelib"], paths["platlib"]})):
+        for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
+            key = entry.name.lower().replace("-", "_")
+            if not (key.startswith(("mini_moe", "__editable__")) or entry.suffix == ".pth"):
+                out.append(entry)
+    return out
+
+
 def readable_paths() -> list[str]:
     """What a lab's process may read under Landlock: the standard library and every entry of the
     installed packages' folders but ``mini_moe`` (and an editable install's finder and ``.pth``
     files). A folder that holds the library's source is never among them."""
     import importlib.util
-    import site
     import sysconfig
 
     paths = sysconfig.get_paths()
     found = importlib.util.find_spec("mini_moe")
     library = pathlib.Path(found.origin).resolve().parent if found and found.origin else None
-    out = []
-    for key in ("stdlib", "platstdlib"):
-        out.append(str(pathlib.Path(paths[key]).resolve()))
-    for directory in sorted({*site.getsitepackages(), paths["purelib"], paths["platlib"]}):
-        directory = pathlib.Path(directory)
-        for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
-            key = entry.name.lower().replace("-", "_")
-            if key.startswith(("mini_moe", "__editable__")) or entry.suffix == ".pth":
-                continue
-            out.append(str(entry.resolve()))
+    out = [str(pathlib.Path(paths[key]).resolve()) for key in ("stdlib", "platstdlib")]
+    out += [str(entry.resolve()) for entry in _package_entries()]
     if library is not None:  # e.g. the standard library's folder holding an installed mini_moe
         out = [p for p in out if not library.is_relative_to(p)]
     return list(dict.fromkeys(out))
@@ -224,20 +231,14 @@ def _library_free_path(folder) -> list[str]:
     """A ``sys.path`` for a lab's process: the standard library and every installed package but
     ``mini_moe`` (a folder of links to site-packages' entries, without mini_moe's and without the
     ``.pth`` files that an editable install adds). One per job, so no job can change another's."""
-    import site
     import sys
-    import sysconfig
 
-    paths = sysconfig.get_paths()
     base = pathlib.Path(sys.base_prefix).resolve()
     stdlib = [p for p in sys.path if p and "-packages" not in p and pathlib.Path(p).resolve().is_relative_to(base)]
     links = pathlib.Path(folder) / "site-packages"
     links.mkdir(exist_ok=True)
-    for directory in map(pathlib.Path, sorted({*site.getsitepackages(), paths["purelib"], paths["platlib"]})):
-        for entry in directory.glob("*") if directory.is_dir() else []:
-            key = entry.name.lower().replace("-", "_")
-            if key.startswith(("mini_moe", "__editable__")) or entry.suffix == ".pth" or (links / entry.name).exists():
-                continue
+    for entry in _package_entries():
+        if not (links / entry.name).exists():
             (links / entry.name).symlink_to(entry)
     return [p for p in dict.fromkeys(stdlib) if pathlib.Path(p).is_dir()] + [str(links)]
 
