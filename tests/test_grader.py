@@ -270,3 +270,24 @@ def test_reports_rebuild_the_failing_case_and_name_the_output():
 def test_worker_text_is_one_printable_line():
     assert labs.text("a\nb\x1b[2Jc" + "x" * 400, 20) == "a\\nb\\x1b[2Jcxxxxx..."
     assert len(labs.text("y" * 1000)) == 300
+
+
+def test_a_part_of_the_sandbox_the_machine_refuses_is_left_out_unless_required(monkeypatch):
+    """In a container whose seccomp profile refuses Landlock's calls, ``labs check`` still runs (the
+    part is reported missing); ``labs grade`` (which requires it) gets an ``OSError`` instead.
+    Both parts are mocked here: confining the test's own process would be for good."""
+    def refused(*args):
+        raise OSError(1, "refused by the container")
+
+    installed = []
+    monkeypatch.setattr(worker, "landlock_abi", lambda: 6)
+    monkeypatch.setattr(worker, "seccomp_arch", lambda: (0xC000003E, {"clone": 56, "clone3": 435}))
+    monkeypatch.setattr(worker, "_landlock", refused)
+    monkeypatch.setattr(worker, "_no_fork", installed.append)
+    assert worker.confine(["/usr"], ["/tmp"]) == {"landlock": 0, "signals": False, "no_fork": True}
+    with pytest.raises(OSError, match="refused by the container"):
+        worker.confine(["/usr"], ["/tmp"], require={"landlock": True})
+    monkeypatch.setattr(worker, "_landlock", lambda *a: None)
+    monkeypatch.setattr(worker, "_no_fork", refused)
+    assert worker.confine(["/usr"], ["/tmp"]) == {"landlock": 6, "signals": True, "no_fork": False}
+    assert len(installed) == 1  # the required part failed first: nothing after it was installed

@@ -534,8 +534,11 @@ def test_a_class_is_graded_into_a_gradebook(tmp_path):
     (folder / "cleo").mkdir()
     nbformat.write(page, str(folder / "cleo" / "labs.ipynb"))
     out = tmp_path / "grades.csv"
+    from mini_moe.labs import worker
+
+    unsandboxed = [] if worker.landlock_abi() else ["--unsandboxed"]  # macOS: grading without Landlock (page 15)
     proc = subprocess.run([sys.executable, "-m", "mini_moe", "labs", "grade", str(folder), "--out", str(out),
-                           "--seed", "3", "--timeout", "60"], capture_output=True, text=True)
+                           "--seed", "3", "--timeout", "60", *unsandboxed], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader(out.open()))
     by = {(r["student"], r["lab"]): r for r in rows}
