@@ -257,6 +257,22 @@ def _routing(out_dir, dataset: str, test) -> list[dict]:
             for layer in evaluate.routing_accuracy(model, test.images, tasks)]
 
 
+def annealed(cfg, name: str, budget: int, datasets):
+    """Budget ``budget`` of the constant-rate run ``RUNS / name``, annealed: a branch from its kept
+    checkpoint at ``(1 - COOLDOWN) * budget`` whose rate falls linearly to 0 at ``budget``, trained
+    (or resumed) into ``RUNS / f"{name}-B{budget}"``. Returns ``(folder, history, cooldown steps)``."""
+    import dataclasses
+
+    from mini_moe import train
+
+    cooldown = round(COOLDOWN * budget)
+    branch = dataclasses.replace(cfg, steps=budget, cooldown_steps=cooldown, keep_every=0,
+                                 checkpoint_every=cooldown, eval_every=budget)
+    out = RUNS / f"{name}-B{budget}"
+    history = train.train(branch, out, progress=False, datasets=datasets, branch_from=(RUNS / name, budget - cooldown))
+    return out, history, cooldown
+
+
 def pilot(dataset: str, seed: int = 0) -> None:
     """The rate pilot of the module docstring: every (arm, rate) not yet recorded, its constant run
     and its four cooldown branches, recorded (and with ``COMMIT=1`` committed) as each finishes."""
@@ -286,12 +302,7 @@ def pilot(dataset: str, seed: int = 0) -> None:
                           "constant": [{"step": e["step"], "validation_accuracy": e["test_accuracy"]}
                                        for e in history["eval"]], "budgets": []}
                 for budget in BUDGETS:
-                    cooldown = round(COOLDOWN * budget)
-                    branch = dataclasses.replace(cfg, steps=budget, cooldown_steps=cooldown, keep_every=0,
-                                                 checkpoint_every=cooldown, eval_every=budget)
-                    out = RUNS / f"{name}-B{budget}"
-                    h = train.train(branch, out, progress=False, datasets=(train_part, validation),
-                                    branch_from=(RUNS / name, budget - cooldown))
+                    out, h, cooldown = annealed(cfg, name, budget, (train_part, validation))
                     row = {"budget": budget, "branch_from": budget - cooldown, "cooldown_steps": cooldown,
                            "validation_accuracy": h["eval"][-1]["test_accuracy"], "train_seconds": round(h["seconds"], 2)}
                     if cfg.model.router is not None:
@@ -383,12 +394,7 @@ def confirm_cell(dataset: str, arm: str, seed: int) -> dict:
              "train_seconds": round(history["seconds"], 2), "budgets": []}
     tasks = None
     for budget in BUDGETS:
-        cooldown = round(COOLDOWN * budget)
-        branch = dataclasses.replace(cfg, steps=budget, cooldown_steps=cooldown, keep_every=0,
-                                     checkpoint_every=cooldown, eval_every=budget)
-        out = RUNS / f"{name}-B{budget}"
-        h = train.train(branch, out, progress=False, datasets=(train_part, validation),
-                        branch_from=(RUNS / name, budget - cooldown))
+        out, h, _ = annealed(cfg, name, budget, (train_part, validation))
         model, _ = train.load_trained(out)
         row = {"budget": budget, "test_accuracy": evaluate.accuracy(model, test),
                "validation_accuracy": h["eval"][-1]["test_accuracy"], "train_seconds": round(h["seconds"], 2)}
