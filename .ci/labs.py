@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     stubbed = execute(copy.deepcopy(page), "with the stubs")
     for _, check, name in cells:
         out = printed(stubbed.cells[check])
-        if out.strip() != f"{name}: FAILED (0 cases)\nnot implemented yet: fill in the function's body.":
+        if out.strip() != f"{name}: NOT IMPLEMENTED (0 cases)\nnot implemented yet: fill in the function's body.":
             failures.append(f"stub run, {name}: expected 'not implemented yet', got {out.strip()[:300]!r}")
 
     if args.stubs_only:
