@@ -18,6 +18,7 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.augment` — random resized crops that remember their geometry, and the patch
   correspondences of two views (paper 004).
 * :mod:`mini_moe.train` — training with checkpoints and exact resume.
+* :mod:`mini_moe.runs` — a run's folder (config, checkpoints): the one way to read it back.
 * :mod:`mini_moe.upcycle` — sparse upcycling: a dense ViT's MLPs copied into experts (with
   Drop-Upcycling's partial re-initialisation).
 * :mod:`mini_moe.evaluate` — the one evaluation pass, accuracy, the 10-shot probe, routing

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from mini_moe import evaluate, modes, routers
+from mini_moe.runs import tree_key
 from mini_moe.validate import InputError
 
 #: The default thresholds, ``{metric: (direction, threshold)}``: a "max" metric warns above its
@@ -109,11 +110,6 @@ class Finding:
     metric: str
     value: float
     hint: str
-
-
-def _key(k) -> str:
-    """One step of a JAX tree path as text (a dict key, an attribute or an index)."""
-    return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
 
 
 def _tokens_per_group(model) -> int:
@@ -205,9 +201,7 @@ def thresholds(model) -> dict:
 
 def _options(model) -> set[str]:
     """The options the model's registered router takes (``z_loss``, ``balance_loss``, ...)."""
-    import inspect
-
-    return set(inspect.signature(routers.spec(model.cfg.router).build).parameters)
+    return set(routers.spec(model.cfg.router).options)
 
 
 def _fixes(model, problem: str) -> str:
@@ -277,7 +271,7 @@ def _non_finite_weights(model) -> list[tuple[str, int, int]]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Not(nnx.RngState)))[0]:
         value = np.asarray(leaf)
         if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-            name = ".".join(_key(k) for k in path).removesuffix(".value")
+            name = ".".join(tree_key(k) for k in path).removesuffix(".value")
             bad.append((name, int((~np.isfinite(value)).sum()), int(value.size)))
     return bad
 
@@ -427,151 +421,29 @@ def _findings(model, layers, batch_dependence, rules, trained_group_images) -> l
 # ------------------------------------------------------------------------- a run folder
 
 
-def _read_config(run_dir: pathlib.Path):
-    """The run's :class:`~mini_moe.config.TrainConfig`, or an ``InputError`` naming config.json and
-    what is wrong with it: unreadable, not JSON (truncated), a key missing or unknown, a bad value."""
-    from mini_moe import config as config_lib
-    from mini_moe import train
-
-    path = run_dir / "config.json"
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e}).") from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}): the file is "
-                         "truncated or damaged.") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
-        raise InputError(f"{path}: expected an object with a 'model' object (a file written by 'train').")
-    expected = {f.name for f in dataclasses.fields(config_lib.TrainConfig)}
-    expected_model = {f.name for f in dataclasses.fields(config_lib.ModelConfig)}
-    keys = set(obj) | {f"model.{k}" for k in obj["model"]}
-    wanted = expected | {f"model.{k}" for k in expected_model}
-    unknown, missing = sorted(keys - wanted - {"model"}), sorted(wanted - keys - {"model"})
-    if unknown or missing:
-        what = "; ".join(([f"unknown key(s) {', '.join(unknown)}"] if unknown else [])
-                         + ([f"missing key(s) {', '.join(missing)}"] if missing else []))
-        raise InputError(f"{path}: {what}: it was written by another version of mini_moe or edited by hand.")
-    try:
-        return train.config_from_json(obj)
-    except (TypeError, ValueError) as e:
-        raise InputError(f"{path}: {e}") from None
-
-
-def _cause(error: Exception) -> str:
-    """The most specific clause of a (long, nested) TensorStore or Orbax error, and the file it names."""
-    import re
-
-    text = str(error).split("\n")[0].split(" [tensorstore_spec")[0]
-    files = re.findall(r'local file "([^"]+)"', text)
-    clause = text.rsplit(": ", 1)[-1].strip() or type(error).__name__
-    named = files and not files[-1].endswith("/") and files[-1] not in clause
-    return f"{clause}, in {files[-1]}" if named else clause
-
-
-def _stored_shapes(folder: pathlib.Path) -> dict | None:
-    """``{array name: shape}`` of checkpoint ``folder`` (``checkpoints/STEP``), every array read
-    once with TensorStore's synchronous API, so that a truncated, missing or unreadable file is an
-    ``InputError`` naming it (Orbax's asynchronous restore fails with a traceback per pending read).
-    The names come from the checkpoint's plain-JSON index. None for a layout other than the
-    OCDBT + zarr one Orbax writes here: then Orbax reads it alone."""
-    import tensorstore as ts
-
-    default = folder / "default"
-    if not default.is_dir():
-        raise InputError(f"{folder}: the checkpoint has no default/ folder: an interrupted save or copy.")
-    index = default / "_METADATA"
-    try:
-        names = [".".join(str(k["key"]) for k in entry["key_metadata"])
-                 for entry in json.loads(index.read_text())["tree_metadata"].values()]
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{index}: cannot read it ({getattr(e, 'strerror', None) or e}).") from None
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise InputError(f"{index}: not the index of an Orbax checkpoint: it is truncated or damaged.") from None
-    if not (default / "manifest.ocdbt").is_file():
-        return None
-    damaged = "the checkpoint is truncated, damaged or unreadable"
-    store = {"driver": "ocdbt", "base": f"file://{default.absolute()}"}
-    try:  # TensorStore reports every failure as a ValueError with a status
-        keys = ts.KvStore.open(store).result().list().result()
-    except Exception as e:
-        raise InputError(f"{folder}: cannot list its arrays ({_cause(e)}): {damaged}.") from None
-    if not any(key.endswith(b"/.zarray") for key in keys):
-        return None  # another array format: Orbax's to read
-    shapes = {}
-    for name in names:
-        try:
-            array = ts.open({"driver": "zarr", "kvstore": {**store, "path": f"{name}/"}}, open=True, read=True).result()
-            array.read().result()
-        except Exception as e:
-            raise InputError(f"{folder}: cannot read {name.removesuffix('.value')} ({_cause(e)}): {damaged}.") from None
-        shapes[name] = tuple(array.shape)
-    return shapes
-
-
-def _restore(run_dir: pathlib.Path, cfg, step: int):
-    """The model of checkpoint ``step``, or an ``InputError`` that names the checkpoint and what is
-    wrong: an incomplete folder, a file that cannot be read, arrays of another configuration."""
-    import jax
-
-    from mini_moe import train
-
-    folder = run_dir / "checkpoints" / str(step)
-    stored = _stored_shapes(folder)
-    model = train.make_model(cfg)
-    optimizer = train.make_optimizer(model, cfg)
-    if stored is not None:
-        expected = {".".join(_key(k) for k in path): None if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
-                    else tuple(np.shape(leaf))  # a random key is stored as its raw data
-                    for path, leaf in jax.tree_util.tree_flatten_with_path(train._state(model, optimizer))[0]}
-        other = f"{folder} holds another configuration than {run_dir / 'config.json'}"
-        for name, shape in expected.items():
-            if name not in stored:
-                raise InputError(f"{other}: it has no {name.removesuffix('.value')}.")
-            if shape is not None and stored[name] != shape:
-                raise InputError(f"{other}: {name.removesuffix('.value')} is stored as {stored[name]}, the "
-                                 f"configuration makes it {shape}.")
-        if set(stored) - set(expected):
-            raise InputError(f"{other}: it holds {sorted(set(stored) - set(expected))[0].removesuffix('.value')}, "
-                             "which the configuration does not make.")
-    try:
-        train.restore_checkpoint(train._manager(run_dir), model, optimizer, step)
-    except Exception as e:  # Orbax and TensorStore errors come up as several types
-        raise InputError(f"{folder}: cannot restore it ({_cause(e)}).") from None
-    model.eval()
-    return model
-
-
 def diagnose_run(run_dir, *, images: int = 2000) -> dict:
     """:func:`diagnose` on a folder written by ``train``: its last checkpoint on the first
     ``images`` test images, the checkpoint before it for ``stability``, and its training
     grouping. Adds ``"run"``, ``"step"``, ``"previous_step"`` and ``"notes"`` (e.g. a previous
-    checkpoint that could not be read). A damaged folder raises :class:`~mini_moe.validate.InputError` naming the file."""
-    from mini_moe import train
+    checkpoint that could not be read). The folder is read by :func:`mini_moe.train.load_trained`:
+    a damaged one raises :class:`~mini_moe.validate.InputError` naming the file."""
+    from mini_moe import runs, train
 
     run_dir = pathlib.Path(run_dir)
     if images < 1:
         raise InputError(f"images must be >= 1, got {images}.")
-    if not (run_dir / "config.json").exists() or not (run_dir / "checkpoints").is_dir():
+    if not (run_dir / runs.CONFIG).exists() or not (run_dir / runs.CHECKPOINTS).is_dir():
         raise InputError(f"{run_dir} is not a training run: it needs config.json and checkpoints/ "
                          "(a folder written by 'python -m mini_moe train').")
-    cfg = _read_config(run_dir)
+    cfg = runs.read_config(run_dir)
     if cfg.model.router is None:
         raise InputError(f"{run_dir} holds a dense model (router=None): there is no routing to diagnose.")
-    try:
-        train.make_model(cfg)
-    except InputError as e:
-        raise InputError(f"{run_dir / 'config.json'}: {e}") from None
-    steps = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    if not steps:
-        raise InputError(f"No checkpoint in {run_dir / 'checkpoints'}; train first (python -m mini_moe train).")
-    model = _restore(run_dir, cfg, steps[-1])
+    model, _ = train.load_trained(run_dir)
+    steps = runs.kept_steps(run_dir)
     previous, notes = None, []
     if len(steps) > 1:
         try:
-            previous = _restore(run_dir, cfg, steps[-2])
+            previous, _ = train.load_trained(run_dir, steps[-2])
         except InputError as e:
             notes.append(f"no stability: {e}")
     _, test = train.load_data(cfg)

@@ -360,14 +360,14 @@ def load_weights(path):
     import jax
     from flax import nnx
 
-    from mini_moe import train
+    from mini_moe import runs, train
 
     path = pathlib.Path(path)
     if not path.is_file():
         raise InputError(f"No explorer weights at {path}; make them with mini_moe/results/explorer_models.py.")
     with np.load(path) as stored:
         meta = json.loads(str(stored["__meta__"]))
-        cfg = train.config_from_json(meta["config"])
+        cfg = runs.config_from_json(meta["config"])
         model = train.make_model(cfg)
         state = nnx.state(model, nnx.Not(nnx.RngState))
         leaves, treedef = jax.tree_util.tree_flatten_with_path(state)

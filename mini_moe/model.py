@@ -15,7 +15,6 @@ model hands to every MoE layer alongside the representation.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import re
 from typing import Any
@@ -95,15 +94,14 @@ class ModelConfig:
             raise InputError(f"fine_grained={self.fine_grained} must divide mlp_dim={self.mlp_dim} "
                              "(each expert is split into fine_grained experts of mlp_dim / fine_grained units).")
         self.routed_options()  # validates the fine-grained budget
-        build = routers_lib.spec(self.router).build if self.router is not None else None
-        null_default = None if build is None else inspect.signature(build).parameters.get("null_experts")
-        if null_default is not None and not self.null_experts:  # the router's default count, zero experts
-            count = dict(self.router_kwargs).get("null_experts", null_default.default)
+        options = routers_lib.spec(self.router).options if self.router is not None else {}
+        if "null_experts" in options and not self.null_experts:  # the router's default count, zero experts
+            count = dict(self.router_kwargs).get("null_experts", options["null_experts"])
             object.__setattr__(self, "null_experts", ("zero",) * count)
         if self.null_experts:
             if not isinstance(self.null_experts, tuple) or any(k not in NULL_KINDS for k in self.null_experts):
                 raise InputError(f"null_experts must be a tuple of kinds from {NULL_KINDS}, got {self.null_experts!r}.")
-            if build is None or "null_experts" not in inspect.signature(build).parameters:
+            if "null_experts" not in options:
                 raise InputError(f"null_experts needs a router with null experts in its choice set ('adamoe' or "
                                  f"'longcat'), not {self.router!r}.")
 
@@ -132,7 +130,7 @@ class ModelConfig:
         if spec.allocation == "soft":
             raise InputError(f"fine_grained and shared_experts apply to Token and Expert Choice routers, not to "
                              f"{self.router!r} (a soft allocation); leave them at 1 and 0.")
-        defaults = {n: p.default for n, p in inspect.signature(spec.build).parameters.items()}
+        defaults = spec.options
         if spec.allocation == "token":
             k = kwargs.get("k", defaults.get("k", 1))
             factor = kwargs.get("capacity_factor", defaults.get("capacity_factor"))

@@ -43,17 +43,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
 from mini_moe import augment
 from mini_moe import data as data_lib
-from mini_moe import evaluate, losses, parallel
+from mini_moe import evaluate, losses, parallel, runs
 from mini_moe import routers as routers_lib
 from mini_moe import routing as routing_lib
 from mini_moe.config import TrainConfig
-from mini_moe.model import ModelConfig, VisionMoE
+from mini_moe.model import VisionMoE
+# The run folder's one reader and writer (mini_moe.runs); these names stay importable from here.
+from mini_moe.runs import (check_saved_config, config_from_json, config_to_json,  # noqa: F401
+                           restore_checkpoint, save_checkpoint)
 from mini_moe.validate import InputError
 
 Array = Any
@@ -273,93 +275,6 @@ def _mean_metrics(per_layer) -> dict:
     return {k: jnp.mean(jnp.stack([m[k] for m in per_layer]).astype(jnp.float32)) for k in keys}
 
 
-# ------------------------------------------------------------------ checkpoints
-
-
-def _manager(out_dir: pathlib.Path, keep_every: int = 0) -> ocp.CheckpointManager:
-    """The run's checkpoints: the newest two, and with ``keep_every`` > 0 every multiple of it."""
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, keep_period=keep_every or None, create=True)
-    return ocp.CheckpointManager((out_dir / "checkpoints").absolute(), options=options)
-
-
-def _state(model, optimizer):
-    return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
-
-
-def save_checkpoint(manager, step: int, model, optimizer) -> None:
-    """Save model and optimizer as checkpoint ``step``; raises ``RuntimeError`` if Orbax
-    does not save it (it skips a step at or below the newest one in the folder)."""
-    if not manager.save(step, args=ocp.args.StandardSave(_state(model, optimizer))):
-        raise RuntimeError(
-            f"checkpoint step {step} was not saved: {manager.directory} already holds step "
-            f"{manager.latest_step()}. Train into an empty folder, or with resume=False to replace the run."
-        )
-    manager.wait_until_finished()
-
-
-def restore_checkpoint(manager, model, optimizer, step: int | None = None) -> int:
-    """Load checkpoint ``step`` (default: newest) into model and optimizer; returns the step."""
-    step = manager.latest_step() if step is None else step
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, _state(model, optimizer))
-    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
-    nnx.update(model, restored["model"])
-    nnx.update(optimizer, restored["optimizer"])
-    return step
-
-
-def load_trained(out_dir, step: int | None = None) -> tuple[VisionMoE, TrainConfig]:
-    """The model of a finished (or interrupted) run from its folder, at its newest checkpoint or
-    at checkpoint ``step`` (one the run kept: ``TrainConfig.keep_every``), on one device, also for
-    a run trained with a mesh."""
-    out_dir = pathlib.Path(out_dir)
-    cfg = config_from_json(json.loads((out_dir / "config.json").read_text()))
-    model = make_model(cfg)
-    manager = _manager(out_dir, cfg.keep_every)
-    if manager.latest_step() is None:
-        raise InputError(f"No checkpoint in {out_dir / 'checkpoints'}; train first (python -m mini_moe train).")
-    if step is not None and step not in manager.all_steps():
-        raise InputError(f"step={step} is not among the checkpoints kept in {out_dir / 'checkpoints'} "
-                         f"({sorted(manager.all_steps())}); train with keep_every dividing it.")
-    restore_checkpoint(manager, model, make_optimizer(model, cfg), step)
-    model.eval()
-    return model, cfg
-
-
-def config_to_json(cfg: TrainConfig) -> dict:
-    return dataclasses.asdict(cfg)
-
-
-def _as_saved(cfg: TrainConfig) -> dict:
-    """``cfg`` as it reads back from config.json (tuples become lists): what resume compares."""
-    return json.loads(json.dumps(config_to_json(cfg)))
-
-
-def check_saved_config(out_dir, cfg: TrainConfig) -> None:
-    """Refuse to reuse ``out_dir`` (resume its run, or take its results) when its
-    ``config.json`` was written for another configuration than ``cfg``; nothing to check when
-    it has none. Compared as read back from JSON, through ``config_from_json``, so a field
-    added to the configuration since the run was saved takes its default."""
-    path = pathlib.Path(out_dir) / "config.json"
-    if not path.exists():
-        return
-    saved = _as_saved(config_from_json(json.loads(path.read_text())))
-    wanted = _as_saved(cfg)
-    if saved != wanted:
-        differ = sorted(k for k in saved.keys() | wanted.keys() if saved.get(k) != wanted.get(k) and k != "model")
-        differ += sorted(f"model.{k}" for k in saved["model"].keys() | wanted["model"].keys()
-                         if saved["model"].get(k) != wanted["model"].get(k))
-        raise InputError(f"{out_dir} holds a run with a different configuration (differs in: {', '.join(differ)}); "
-                         "use another out_dir, or resume=False (--no-resume) to replace it.")
-
-
-def config_from_json(obj: dict) -> TrainConfig:
-    model = dict(obj["model"])
-    model["router_kwargs"] = tuple(tuple(kv) for kv in model.get("router_kwargs", ()))
-    model["null_experts"] = tuple(model.get("null_experts", ()))
-    mesh = None if obj.get("mesh") is None else tuple(obj["mesh"])
-    return TrainConfig(**{**obj, "model": ModelConfig(**model), "mesh": mesh})
-
-
 # ------------------------------------------------------------------ start from given weights
 
 
@@ -395,10 +310,32 @@ def _init_source(init_from) -> tuple[Any, dict]:
     if isinstance(init_from, (str, os.PathLike)):
         folder = pathlib.Path(init_from)
         model, saved = load_trained(folder)
-        step = _manager(folder, saved.keep_every).latest_step()
+        step = runs.kept_steps(folder)[-1]
         return nnx.state(model), {"run": str(folder.resolve()), "step": step}
     raise InputError(f"init_from must be a VisionMoE, an nnx.State of one, or a run folder, got "
                      f"{type(init_from).__name__}.")
+
+
+def load_trained(out_dir, step: int | None = None) -> tuple[VisionMoE, TrainConfig]:
+    """``(model, cfg)``: the model of a finished (or interrupted) run from its folder, at its newest
+    checkpoint or at checkpoint ``step`` (one the run kept: ``TrainConfig.keep_every``), on one
+    device, also for a run trained with a mesh; in eval mode. The folder is read by
+    :mod:`mini_moe.runs`: a damaged one is an ``InputError`` naming the file."""
+    out_dir = pathlib.Path(out_dir)
+    cfg = runs.read_config(out_dir)
+    try:
+        model = make_model(cfg)
+    except InputError as e:
+        raise InputError(f"{out_dir / runs.CONFIG}: {e}") from None
+    steps = runs.kept_steps(out_dir)
+    if not steps:
+        raise InputError(f"No checkpoint in {out_dir / runs.CHECKPOINTS}; train first (python -m mini_moe train).")
+    if step is not None and step not in steps:
+        raise InputError(f"step={step} is not among the checkpoints kept in {out_dir / runs.CHECKPOINTS} "
+                         f"({steps}); train with keep_every dividing it.")
+    runs.restore(out_dir, steps[-1] if step is None else step, model, make_optimizer(model, cfg))
+    model.eval()
+    return model, cfg
 
 
 def start_from(model: VisionMoE, state) -> None:
@@ -493,9 +430,8 @@ def budget_config(cfg: TrainConfig, seconds: float, *, out_dir=None, datasets=No
     """``cfg`` with its schedule sized to ``seconds`` of training (:func:`steps_for_budget`)
     and ``max_seconds=seconds``. If ``out_dir`` holds a started run, its recorded steps are
     kept, so resuming does not re-measure and change the schedule."""
-    saved = None if out_dir is None else pathlib.Path(out_dir) / "config.json"
-    if saved is not None and saved.exists():
-        steps = json.loads(saved.read_text())["steps"]
+    if out_dir is not None and (pathlib.Path(out_dir) / runs.CONFIG).exists():
+        steps = runs.read_config(out_dir).steps
     else:
         steps = steps_for_budget(cfg, seconds, datasets=datasets)
     return dataclasses.replace(
@@ -530,10 +466,10 @@ def _branch_source(branch_from, cfg: TrainConfig):
     if not (isinstance(branch_from, (tuple, list)) and len(branch_from) == 2):
         raise InputError(f"branch_from must be (run folder, kept step), got {branch_from!r}.")
     folder, step = pathlib.Path(branch_from[0]), branch_from[1]
-    if not (folder / "config.json").exists():
+    if not (folder / runs.CONFIG).exists():
         raise InputError(f"branch_from: {folder} holds no run (no config.json); train the constant-rate run first.")
-    source = config_from_json(json.loads((folder / "config.json").read_text()))
-    a, b = _as_saved(source), _as_saved(cfg)
+    source = runs.read_config(folder)
+    a, b = runs.as_saved(source), runs.as_saved(cfg)
     differ = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in BRANCH_MAY_CHANGE)
     if differ:
         raise InputError(f"branch_from: the run in {folder} differs from this configuration in {', '.join(differ)}; "
@@ -545,7 +481,7 @@ def _branch_source(branch_from, cfg: TrainConfig):
                          f"(schedule='constant', step <= steps - cooldown_steps in both), got schedule="
                          f"{cfg.schedule!r}, steps={cfg.steps}, cooldown_steps={cfg.cooldown_steps} here and "
                          f"steps={source.steps}, cooldown_steps={source.cooldown_steps} there.")
-    manager = _manager(folder, source.keep_every)
+    manager = runs.checkpoints(folder, source.keep_every)
     if step not in manager.all_steps():
         raise InputError(f"branch_from: {folder} did not keep step {step} (it holds {sorted(manager.all_steps())}); "
                          "train it with keep_every dividing that step.")
@@ -605,8 +541,8 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
         it is. A resumed run measures again the steps after its checkpoint.
     """
     out_dir = pathlib.Path(out_dir)
-    config_path = out_dir / "config.json"
-    history_path = out_dir / "history.json"
+    config_path = out_dir / runs.CONFIG
+    history_path = out_dir / runs.HISTORY
     if resume:
         check_saved_config(out_dir, cfg)
     if isinstance(start_step, bool) or not isinstance(start_step, int) or not 0 <= start_step < cfg.steps:
@@ -639,7 +575,7 @@ def train(cfg: TrainConfig, out_dir, *, resume: bool = True, progress: bool = Tr
     if cfg.mesh is not None:  # experts sharded over the devices, the batch split over all of them
         mesh = parallel.make_mesh(*cfg.mesh)
         parallel.shard_model(model, mesh, optimizer)
-    manager = _manager(out_dir, cfg.keep_every)
+    manager = runs.checkpoints(out_dir, cfg.keep_every)
     history = {"train": [], "eval": [], "seconds": 0.0}
     if wanted_start is not None:
         history["start"] = wanted_start

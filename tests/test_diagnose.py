@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from mini_moe import config as config_lib
-from mini_moe import diagnose, evaluate, routers, train
+from mini_moe import diagnose, evaluate, routers, runs, train
 from mini_moe.model import VisionMoE
 from mini_moe.validate import InputError
 
@@ -172,8 +172,8 @@ DAMAGED = {
     "truncated checkpoint data": (_truncate(_data_file), "checkpoints/150", "truncated, damaged or unreadable"),
     "checkpoint without its data folder": (lambda r: shutil.rmtree(_newest(r) / "default"), "checkpoints/150",
                                            "no default/ folder"),
-    "missing key in config.json": (_edit_config(lambda m: m.pop("num_experts")), "config.json",
-                                   "missing key(s) model.num_experts"),
+    "missing key in config.json": (_edit_config(lambda m: m.pop("num_experts")), "checkpoints/150",
+                                   "config.json lacks model.num_experts, which took the default"),
     "unknown key in config.json": (_edit_config(lambda m: m.update(new_option=1)), "config.json",
                                    "unknown key(s) model.new_option"),
     "empty folder": (_empty, "", "is not a training run"),
@@ -286,7 +286,7 @@ def test_the_cli_json_is_standard_json(healthy, tmp_path):
     model, cfg = train.load_trained(run)
     kernel = next(b for b in model.blocks if b.use_moe).mlp.router.affinity.dense.kernel
     kernel[...] = kernel[...].at[:, 1].set(jnp.nan)
-    manager = train._manager(run)
+    manager = runs.checkpoints(run)
     train.save_checkpoint(manager, 300, model, train.make_optimizer(model, cfg))
     proc = subprocess.run([sys.executable, "-m", "mini_moe", "diagnose", str(run), "--images", "32", "--json"],
                           capture_output=True, text=True)

@@ -48,3 +48,49 @@ def test_the_package_docstring_lists_every_module():
     modules = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
     missing = [m for m in sorted(modules) if f":mod:`mini_moe.{m}`" not in mini_moe.__doc__]
     assert not missing, f"mini_moe's docstring does not describe: {missing}"
+
+
+def _inner_imports(path: pathlib.Path, package: str) -> set[str]:
+    """The sibling modules of ``mini_moe.<package>`` that a file imports, type-checking imports included."""
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"mini_moe.{package}."):
+            deps.add(node.module.split(".")[2])
+        elif isinstance(node, ast.ImportFrom) and node.module == f"mini_moe.{package}":
+            deps |= {a.name for a in node.names if (PACKAGE / package / f"{a.name}.py").exists()}
+    return deps - {path.stem}
+
+
+def test_no_cycle_between_the_files_of_a_subpackage():
+    """routers/controls.py once imported routers/registry.py (for a type hint) while registry.py
+    imported controls.py: a circle the module-level test above cannot see."""
+    for package in ("routers", "labs"):
+        graph = {p.stem: _inner_imports(p, package) for p in (PACKAGE / package).glob("*.py") if p.stem != "__init__"}
+        for module, deps in graph.items():
+            for dep in deps:
+                assert module not in graph.get(dep, ()), f"mini_moe.{package}: {module} <-> {dep}"
+        done = set()
+
+        def visit(module, active):
+            assert module not in active, f"mini_moe.{package}: cycle {' -> '.join(active + [module])}"
+            if module not in done:
+                for dep in sorted(graph.get(module, ())):
+                    visit(dep, active + [module])
+                done.add(module)
+
+        for module in sorted(graph):
+            visit(module, [])
+
+
+def test_the_registry_declares_each_routers_options():
+    """`RouterSpec.options` is the one place that reads a router's options (the layer, the
+    configuration and diagnose ask it); checked against hand-written expectations."""
+    from mini_moe import routers
+
+    token = routers.spec("softmax_token_choice").options
+    assert {"k", "capacity_factor", "z_loss", "balance_loss"} <= set(token) and token["k"] == 1
+    assert "capacity_factor" in routers.spec("softmax_expert_choice").options
+    assert "slots_per_expert" in routers.spec("soft_moe").options
+    assert "null_experts" in routers.spec("adamoe").options and "null_experts" not in token
+    for name in routers.ROUTERS:
+        assert not {"dim", "num_experts", "rngs"} & set(routers.spec(name).options), name

@@ -13,7 +13,7 @@ from sklearn.linear_model import Ridge
 
 from mini_moe import __main__ as cli
 from mini_moe import config as config_lib
-from mini_moe import evaluate, losses, train
+from mini_moe import evaluate, losses, runs, train
 from mini_moe.model import ModelConfig, VisionMoE, patchify
 
 from live_head import live_head
@@ -491,7 +491,7 @@ def test_resume_false_replaces_the_run_in_out_dir(tmp_path, digits):
     assert cfg == new
     for a, b in zip(_params(loaded), _params(reference), strict=True):
         np.testing.assert_array_equal(a, b)
-    assert train._manager(tmp_path / "run").all_steps() == [3]  # the old step-6 checkpoint is gone
+    assert runs.checkpoints(tmp_path / "run").all_steps() == [3]  # the old step-6 checkpoint is gone
     saved = json.loads((tmp_path / "run" / "history.json").read_text())
     assert [r["step"] for r in saved["eval"]] == [r["step"] for r in history["eval"]] == [3]
     assert evaluate.accuracy(loaded, digits[1]) == pytest.approx(history["eval"][-1]["test_accuracy"])
@@ -501,7 +501,7 @@ def test_save_checkpoint_raises_when_the_step_is_not_saved(tmp_path):
     cfg = _cfg()
     model = train.make_model(cfg)
     optimizer = train.make_optimizer(model, cfg)
-    manager = train._manager(tmp_path)
+    manager = runs.checkpoints(tmp_path)
     train.save_checkpoint(manager, 5, model, optimizer)
     with pytest.raises(RuntimeError, match="step 3"):  # Orbax skips a step at or below its latest
         train.save_checkpoint(manager, 3, model, optimizer)

@@ -45,6 +45,7 @@ import numpy as np
 import optax
 
 from mini_moe import bench, confirm, evaluate, study, train
+from mini_moe import runs as run_folder
 from mini_moe.upcycle import upcycle
 from mini_moe.validate import InputError
 
@@ -237,7 +238,7 @@ def run_cell(arm: str, seed: int, plan: Plan, runs: pathlib.Path, datasets, *, d
     init = None
     if kind == "upcycled":
         dense_dir = runs / f"dense-s{seed}"
-        if not (dense_dir / "checkpoints").is_dir() or plan.n not in train._manager(dense_dir, plan.keep_every).all_steps():
+        if plan.n not in run_folder.kept_steps(dense_dir):
             if dense_failed:  # stop rule 1: the dense cell failed before N, so this arm cannot start
                 return {"failed": f"the dense cell of seed {seed} failed with no checkpoint at step {plan.n}"}
             raise SystemExit(f"upcycling: {arm} seed {seed} starts from {dense_dir}'s checkpoint at step {plan.n}, "

@@ -5,8 +5,6 @@ patch (:class:`RawKey`). Re-exported by :mod:`mini_moe.routers`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,10 +13,6 @@ from flax import nnx
 from mini_moe import data as data_lib
 from mini_moe.routers.types import Affinities, Array, Budget
 from mini_moe.validate import InputError, check_int
-
-if TYPE_CHECKING:
-    from mini_moe.routers.registry import Router
-
 
 # ------------------------------------------------------------------------- routing controls
 
@@ -29,7 +23,7 @@ class FrozenWeight(nnx.Variable):
     state for it; checkpoints save it with the rest of the model's state."""
 
 
-def freeze(router: "Router") -> "Router":
+def freeze(router: nnx.Module) -> nnx.Module:
     """Hold every parameter of ``router``'s affinity at its current value (in place; returns it).
 
     The control of a learned-routing experiment: the experts train, the routing stays the one
