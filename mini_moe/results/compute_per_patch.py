@@ -47,6 +47,7 @@ import warnings
 import numpy as np
 
 from mini_moe import bench, confirm, evaluate, study, train
+from mini_moe import runs as run_folder
 from mini_moe.model import patchify
 from mini_moe.validate import InputError
 
@@ -333,7 +334,7 @@ def run_cell(arm: str, seed: int, plan: Plan, runs: pathlib.Path, datasets) -> d
         return {"failed": str(error)}
     if not measured.exists():  # resumed after the last checkpoint, before its measurement
         model, saved = train.load_trained(folder, step=cfg.steps)
-        if train._as_saved(saved) != train._as_saved(cfg):
+        if run_folder.as_saved(saved) != run_folder.as_saved(cfg):
             raise RuntimeError(f"{arm} seed {seed}: the run in {folder} has config {saved}, not the cell's {cfg}")
         on_step(cfg.steps, model)
     row = json.loads(measured.read_text())
