@@ -257,19 +257,21 @@ def _routing(out_dir, dataset: str, test) -> list[dict]:
             for layer in evaluate.routing_accuracy(model, test.images, tasks)]
 
 
-def annealed(cfg, name: str, budget: int, datasets):
-    """Budget ``budget`` of the constant-rate run ``RUNS / name``, annealed: a branch from its kept
-    checkpoint at ``(1 - COOLDOWN) * budget`` whose rate falls linearly to 0 at ``budget``, trained
-    (or resumed) into ``RUNS / f"{name}-B{budget}"``. Returns ``(folder, history, cooldown steps)``."""
+def annealed(cfg, name: str, budget: int, datasets, runs: pathlib.Path | None = None):
+    """Budget ``budget`` of the constant-rate run ``runs / name`` (default :data:`RUNS`), annealed: a
+    branch from its kept checkpoint at ``(1 - COOLDOWN) * budget`` whose rate falls linearly to 0 at
+    ``budget``, trained (or resumed) into ``runs / f"{name}-B{budget}"``. Returns ``(folder,
+    history, cooldown steps)``. Also the annealed budgets of ``patch_vote_fixed.py``."""
     import dataclasses
 
     from mini_moe import train
 
+    runs = RUNS if runs is None else runs
     cooldown = round(COOLDOWN * budget)
     branch = dataclasses.replace(cfg, steps=budget, cooldown_steps=cooldown, keep_every=0,
                                  checkpoint_every=cooldown, eval_every=budget)
-    out = RUNS / f"{name}-B{budget}"
-    history = train.train(branch, out, progress=False, datasets=datasets, branch_from=(RUNS / name, budget - cooldown))
+    out = runs / f"{name}-B{budget}"
+    history = train.train(branch, out, progress=False, datasets=datasets, branch_from=(runs / name, budget - cooldown))
     return out, history, cooldown
 
 
