@@ -117,13 +117,6 @@ XLA_FLAGS = ("--xla_force_host_platform_device_count=1 --xla_backend_optimizatio
 # Survivors that no input can tell from the original, with the reason (filled in by hand after a
 # run; see mini_moe/results/mutants-report.md). Everything else that survives is "survived".
 EQUIVALENT: dict[str, str] = {
-    "layer:256:31:compare": "_blocked_bwd's accumulate with e <= g also runs the cond's product for a block no "
-                            "group uses (e == G), but such a block's rows in `blocks` and `d_blocks` are all zeros "
-                            "(dest never points into it), so x.T @ dy is exactly 0 and adding it to d_weights[G-1] "
-                            "changes nothing.",
-    "layer:210:28:compare": "_per_block with g <= G also multiplies an unused block (g == G) by weights[G-1]; that "
-                            "block holds only zero rows and its output rows are never read back (dest points only "
-                            "into used blocks), so the result is unchanged.",
     "layer:270:24:const": "default_block takes the largest power of two at most min(129, M / 2G) instead of "
                           "min(128, ...): 128 either way, since no power of two lies in (128, 129].",
     "routing:198:99:const": "BPR's map back to token indices reads order[min(slot, T)] instead of "
@@ -137,9 +130,10 @@ EQUIVALENT: dict[str, str] = {
     "layer:160:59:const": "moe_sorted feeds 1 instead of 0 into the rows of picks not made; those rows lie outside "
                           "every group (the kernel need not compute them) and are selected away on the way out "
                           "(where(chosen, rows, 0)), and a select sends no gradient to what it drops.",
-    "layer:147:83:const": "moe_sorted's gate of a pick not made is 1 instead of 0; it multiplies a row already "
-                          "selected to 0 (where(chosen, rows, 0) * gate), and where(made, gates, 1) sends no "
-                          "gradient to the dropped gates either way.",
+    "layer:147:83:const": "equivalent by redundancy: moe_sorted's gate of a pick not made is 1 instead of 0, but "
+                          "it multiplies a row already selected to 0 (where(chosen, rows, 0) * gate), and the "
+                          "gradient to the gate goes through that select, so `jnp.where(made, gates, 0)` is a line "
+                          "no output depends on (the code review of 2026-11-28, §4.2).",
     "layer:249:88:kwstr": "_blocked_bwd writes the row gradients with mode='clip' instead of 'drop': only rows past "
                           "the last group's end have the out-of-range dest, and they exist only when M > ends[-1]; "
                           "then num_blocks * block - padded_ends[-1] >= (M - ends[-1]) + (G - 1) >= 1, so the "
@@ -151,11 +145,19 @@ EQUIVALENT: dict[str, str] = {
     "layer:339:54:const": "lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,)) on [E, D, H]: Flax's fan-in is "
                           "the in-axis size times the receptive field, size / (in x out x batch), so it is "
                           "size / (out x batch) = D whichever non-batch axis is named in_axis: the same draws.",
-    "layer:306:14:call": "megablox's row tile max(128, M) instead of min(128, M): the rows are padded to whole "
-                         "tiles either way and the grouped product does not depend on the tiling (only the "
-                         "kernel's speed and memory on a TPU do); outputs and gradients are identical.",
-    "layer:306:27:call": "megablox's contraction tile max(128, K) instead of min(128, K): as for the row tile, the "
-                         "product does not depend on the tiling; identical outputs and gradients.",
+}
+# Survivors that are not equivalent but that no test on a CPU can tell apart, with the reason: they
+# change what a TPU does (speed, memory), never a value (the code review of 2026-11-28, §4.2, which
+# also found two "equivalent" performance mutants of the blocked kernel, layer:210:28 and
+# layer:256:31, that compute the product of an unused block: tests/test_mutant_killers.py counts the
+# blocks computed and kills them).
+UNTESTABLE: dict[str, str] = {
+    "layer:306:14:call": "untestable on a CPU, not equivalent: megablox's row tile max(128, M) instead of "
+                         "min(128, M) gives the same product under Pallas' interpreter (the only place CI runs "
+                         "the kernel), but on a TPU a tile of all M rows must fit the vector memory, which at "
+                         "the book's shapes it would not (not run: no TPU).",
+    "layer:306:27:call": "untestable on a CPU, not equivalent: megablox's contraction tile max(128, K) instead of "
+                         "min(128, K), as for the row tile (not run: no TPU).",
 }
 # Notes on the survivors that are not equivalent (why no test kills them yet).
 SURVIVOR_NOTES: dict[str, str] = {}
@@ -521,21 +523,23 @@ def write_report(mutants, results: Path, out: Path, args):
                 row["classification"] = "killed-by-new-test"
             elif m["id"] in EQUIVALENT:
                 row["classification"], row["reason"] = "equivalent", EQUIVALENT[m["id"]]
+            elif m["id"] in UNTESTABLE:
+                row["classification"], row["reason"] = "untestable", UNTESTABLE[m["id"]]
             else:
                 row["classification"] = "survived"
                 row["reason"] = SURVIVOR_NOTES.get(m["id"])
         rows.append(row)
         t = totals.setdefault(m["module"], {k: 0 for k in (
             "mutants", "killed", "timeout", "error", "survived_suite", "killed_by_new_test", "equivalent",
-            "survived")})
+            "untestable", "survived")})
         t["mutants"] += 1
         if r["outcome"] in dead_outcomes:
             t[r["outcome"]] += 1
         else:
             t["survived_suite"] += 1
             t[row["classification"].replace("-", "_")] += 1
-    def rates(t):
-        non_eq = t["mutants"] - t["equivalent"]
+    def rates(t):  # over the mutants a CPU test could kill: neither equivalent nor untestable here
+        non_eq = t["mutants"] - t["equivalent"] - t["untestable"]
         dead = t["killed"] + t["timeout"] + t["error"]
         t["non_equivalent"] = non_eq
         t["kill_rate_suite"] = round(dead / non_eq, 4) if non_eq else None
@@ -543,14 +547,15 @@ def write_report(mutants, results: Path, out: Path, args):
         return t
     for t in totals.values():
         rates(t)
-    keys = ("mutants", "killed", "timeout", "error", "survived_suite", "killed_by_new_test", "equivalent", "survived")
+    keys = ("mutants", "killed", "timeout", "error", "survived_suite", "killed_by_new_test", "equivalent", "untestable",
+            "survived")
     all_t = rates({k: sum(t[k] for t in totals.values()) for k in keys})
     report = {
         "what": "issue 52 §3: mutation testing of mini_moe/routing.py, layer.py, losses.py with .ci/mutants.py "
                 "(first-order ast mutants, each run against a fast subset of the existing tests in a throw-away "
                 "copy, then, if it survives, against tests/test_mutant_killers.py; killed = a test fails, "
                 "timeout = past 3x the unmutated run, error = the subset cannot run, e.g. the module does not "
-                "import). Kill rates are over the non-equivalent mutants.",
+                "import). Kill rates are over the mutants neither equivalent nor untestable on a CPU.",
         "command": "make mutants MUTANTS_ARGS='--sample %s'" % args.sample if args.sample else "make mutants",
         "machine": {"cpu": "AMD EPYC", "cores": 2, "cores_used": 1, "gpu": None, "platform": platform.platform(),
                     "python": platform.python_version(), "taskset": "-c 1", "XLA_FLAGS": XLA_FLAGS,
@@ -590,8 +595,8 @@ def markdown(report):
         "- A mutant is run against a fast subset of the existing tests (`SUITE` in the script); if it "
         "survives, against `tests/test_mutant_killers.py`, the tests added for the survivors.", "",
         "| module | mutants | killed by the suite (incl. timeout/error) | survived the suite | killed by a new test "
-        "| equivalent | still surviving | kill rate, suite | kill rate, with the new tests |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| equivalent | untestable on a CPU | still surviving | kill rate, suite | kill rate, with the new tests |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mod in ("routing", "layer", "losses", "all"):
         if mod not in t:
@@ -599,10 +604,11 @@ def markdown(report):
         x = t[mod]
         lines.append(f"| {mod} | {x['mutants']} | {x['killed'] + x['timeout'] + x['error']} "
                      f"({x['timeout']} timeout, {x['error']} error) | {x['survived_suite']} | "
-                     f"{x['killed_by_new_test']} | {x['equivalent']} | {x['survived']} | {pct(x['kill_rate_suite'])} | "
+                     f"{x['killed_by_new_test']} | {x['equivalent']} | {x['untestable']} | {x['survived']} | "
+                     f"{pct(x['kill_rate_suite'])} | "
                      f"{pct(x['kill_rate_with_new_tests'])} |")
-    lines += ["", "Kill rates are over the non-equivalent mutants (mutants minus equivalent).", ""]
-    for title, cls in (("Equivalent mutants", "equivalent"), ("Survivors", "survived"),
+    lines += ["", "Kill rates are over the mutants a CPU test could kill (mutants minus equivalent minus untestable).", ""]
+    for title, cls in (("Equivalent mutants", "equivalent"), ("Untestable on a CPU", "untestable"), ("Survivors", "survived"),
                        ("Killed only by the new tests", "killed-by-new-test")):
         rows = [r for r in report["mutants"] if r.get("classification") == cls]
         lines += [f"## {title} ({len(rows)})", ""]

@@ -498,3 +498,53 @@ def test_a_score_equal_to_min_score_is_not_a_pick():
     grad = jax.grad(lambda s: jnp.sum(moe_sorted(x, s, experts, k=3, min_score=0.0)))(scores)
     assert np.all(np.asarray(grad)[np.asarray(scores) == 0] == 0)
     assert np.all(np.asarray(grad)[np.asarray(scores) > 0] != 0)
+
+
+@pytest.mark.parametrize("sizes, num_rows, block", [([3, 0, 5, 2], 12, 2), ([1] * 8, 8, 2), ([40, 0, 0, 0], 64, 8),
+                                                    ([0, 7, 0, 1], 9, 4)])
+def test_the_blocked_kernel_multiplies_only_the_blocks_its_groups_use(sizes, num_rows, block):
+    """The blocked kernel's point is to skip the blocks no group uses (issue 55's timings): with
+    jit off, each ``cond`` runs one branch, so the calls of the block product count the blocks
+    computed. They must be sum(ceil(n_g / block)), not every block of the static bound; a
+    ``g <= G`` in ``_per_block`` computed 9 blocks instead of 6 for the first case with equal
+    values (the code review of 2026-11-28, §4.2, found that "equivalent" mutant)."""
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    dest, block_group, num_blocks = layer.block_layout(group_sizes, num_rows, block)
+    blocks = jnp.zeros((num_blocks, block, 3), jnp.float32)
+    calls = []
+
+    def product(x, g):
+        calls.append(int(g))
+        return x
+
+    with jax.disable_jit():
+        layer._per_block(product, blocks, block_group, len(sizes), (block, 3), jnp.float32)
+    expected = [g for g, n in enumerate(sizes) for _ in range(-(-n // block))]
+    assert num_blocks > len(expected), "the case has unused blocks, or it could not fail"
+    assert sorted(calls) == expected
+
+
+def test_the_blocked_kernels_backward_multiplies_only_the_blocks_its_groups_use(monkeypatch):
+    """Forward and backward of the blocked kernel, with jit off: every ``cond`` that takes its
+    computing branch is one block product. Three per used block (the forward product, ``d rows``
+    and ``d weights``), none for a block no group uses; an ``e <= g`` in the backward's
+    accumulation ran a product for every unused block too (values unchanged: a performance
+    mutant, like the forward's)."""
+    sizes, num_rows, block = [3, 0, 5, 2], 12, 2
+    taken = []
+    real_cond = jax.lax.cond
+
+    def counting_cond(pred, true_fn, false_fn, *args):
+        taken.append(bool(pred))
+        return real_cond(pred, true_fn, false_fn, *args)
+
+    monkeypatch.setattr(jax.lax, "cond", counting_cond)
+    rows = jax.random.normal(jax.random.key(0), (num_rows, 3))
+    weights = jax.random.normal(jax.random.key(1), (len(sizes), 3, 2))
+    with jax.disable_jit():
+        out, vjp = jax.vjp(lambda r, w: layer.blocked_matmul(r, w, jnp.asarray(sizes, jnp.int32), block), rows, weights)
+        vjp(jnp.ones_like(out))
+    used = sum(-(-n // block) for n in sizes)
+    _, _, num_blocks = layer.block_layout(jnp.asarray(sizes, jnp.int32), num_rows, block)
+    assert len(taken) == 3 * num_blocks and num_blocks > used
+    assert sum(taken) == 3 * used
