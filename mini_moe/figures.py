@@ -8,6 +8,8 @@ and returns the matplotlib figure.
   and the output tokens the slots are combined into; line opacity is the weight.
 * :func:`all_to_all_diagram` — expert parallelism (chapter 10): which device holds which
   (source device, expert) block of slots before and after the all-to-all exchange.
+* :func:`compute_maps` — where a model with a variable number of experts per token puts its compute
+  (chapter 19): the mean count per patch position for each MoE layer, and per class.
 """
 
 from __future__ import annotations
@@ -172,4 +174,38 @@ def all_to_all_diagram(devices: int = 4, experts_per_device: int = 2):
         ax.axis("off")
         ax.set_title("before all_to_all: each device's slots for every expert" if stage == "before"
                      else "after: each device holds its own experts' slots from every device", fontsize=9)
+    return fig
+
+
+def compute_maps(counts, labels, class_names, title: str = "", *, vmin: float = 1, vmax: float = 3):
+    """Mean real experts per patch (``counts``, per MoE layer ``[N, P]`` with ``P`` a square grid
+    of patches, e.g. :func:`mini_moe.results.compute_per_patch.real_experts`) as one heatmap per
+    layer by patch position, the value printed in each cell, and a panel of the mean per class
+    (``labels [N]``, ``class_names`` in label order); a dotted line marks 2 experts."""
+    plt = _plt()
+    counts = [np.asarray(c, np.float64) for c in counts]
+    labels = np.asarray(labels)
+    side = int(round(np.sqrt(counts[0].shape[-1])))
+    if side * side != counts[0].shape[-1] or any(c.shape != counts[0].shape for c in counts):
+        raise InputError(f"counts must be per layer [N, P] with P a square number of patches, got shapes "
+                         f"{[c.shape for c in counts]}.")
+    if labels.shape != counts[0].shape[:1]:
+        raise InputError(f"labels must be [N] = {counts[0].shape[:1]}, got {labels.shape}.")
+    fig, axes = plt.subplots(1, len(counts) + 1, figsize=(4.3 * (len(counts) + 1), 3.8))
+    for layer, (ax, count) in enumerate(zip(axes, counts)):
+        heat = count.mean(0).reshape(side, side)
+        im = ax.imshow(heat, cmap="viridis", vmin=vmin, vmax=vmax)
+        for (i, j), v in np.ndenumerate(heat):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", color="w", fontsize=9)
+        ax.set(title=f"MoE layer {layer + 1}, by patch position", xticks=[], yticks=[])
+    fig.colorbar(im, ax=list(axes[:-1]), shrink=0.8)
+    classes = range(len(class_names))
+    for layer, count in enumerate(counts):
+        axes[-1].plot(classes, [count[labels == c].mean() for c in classes], "o-", label=f"layer {layer + 1}")
+    axes[-1].axhline(2, color="grey", lw=0.8, ls=":")
+    axes[-1].set(xticks=list(classes), title="mean real experts per patch, by class", ylabel="real experts")
+    axes[-1].set_xticklabels(class_names, rotation=60, fontsize=8)
+    axes[-1].legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=10, y=1.04)
     return fig

@@ -59,3 +59,20 @@ def test_all_to_all_diagram_is_a_transpose():
     before, after = ([t.get_text() for t in ax.texts if "←" in t.get_text()] for ax in fig.axes[:2])
     assert sorted(before) == sorted(after)  # the same blocks, rearranged
     assert len(before) == 2 * 4  # every device holds one block per expert, then per (own expert, source)
+
+
+def test_compute_maps_prints_each_positions_mean_and_plots_each_class_mean():
+    rng = np.random.default_rng(0)
+    counts = [rng.integers(0, 4, (30, 16)), rng.integers(0, 4, (30, 16))]
+    labels = np.arange(30) % 3
+    fig = figures.compute_maps(counts, labels, ["a", "b", "c"], "t")
+    for layer, ax in enumerate(fig.axes[:2]):
+        printed = [float(t.get_text()) for t in ax.texts]
+        np.testing.assert_allclose(printed, np.round(counts[layer].mean(0), 2), atol=1e-9)  # row-major, as patchify
+    class_panel = fig.axes[2]
+    for layer, line in enumerate(class_panel.get_lines()[:2]):
+        np.testing.assert_allclose(line.get_ydata(), [counts[layer][labels == c].mean() for c in range(3)])
+    with pytest.raises(ValueError, match="square number of patches"):
+        figures.compute_maps([np.zeros((30, 15))], labels, ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"labels must be \[N\]"):
+        figures.compute_maps(counts, labels[:5], ["a", "b", "c"])
