@@ -388,3 +388,28 @@ def test_capacity_amendment_rule_and_family_holm(monkeypatch):
     # a seed missing an arm is left out of every contrast
     _, partial = cc.comparisons([c for c in cells if (c["arm"], c["seed"]) != ("dense", 205)], token_p)
     assert len(partial[0]["differences"]) == 5
+
+
+def test_chapter_13s_v1_reading_is_paired_t_with_holm_and_reads_no_dropped_picks_for_remoe():
+    """routing_2024.analysis_v1 on the committed v1 record, against scipy's paired t-test and Holm by
+    hand; ReMoE's superseded dropped_routes (the record's errata) is reported, never read as drops."""
+    from mini_moe import bench
+    from mini_moe.results import routing_2024 as r24
+
+    record = bench.committed("routing_2024-cpu-2core-xeon.json")
+    v1 = r24.analysis_v1(record)
+    acc = {(r["arm"], r["seed"]): r["test_accuracy"] for r in record["runs"]}
+    p_values = []
+    for row, (a, b) in zip(v1["contrasts"], r24.CONTRASTS_V1):
+        assert (row["a"], row["b"]) == (a, b)
+        first, second = [acc[a, s] for s in v1["seeds"]], [acc[b, s] for s in v1["seeds"]]
+        np.testing.assert_allclose(row["p_value"], stats.ttest_rel(first, second).pvalue, rtol=1e-9)
+        p_values.append(row["p_value"])
+    order, running, expected = np.argsort(p_values), 0.0, [0.0] * len(p_values)
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[i]))
+        expected[i] = running
+    np.testing.assert_allclose([row["p_holm"] for row in v1["contrasts"]], expected, rtol=1e-9)
+    assert v1["arms"]["remoe"]["dropped_picks"] is None and v1["remoe_superseded_dropped_routes"] > 0.8
+    assert [e["field"] for e in record["errata"]] == ["runs[arm == 'remoe'].mechanisms.layers[].dropped_routes"]
+    assert all(0 <= p <= 1 for arm in r24.ARMS_V1_CH13 if arm != "remoe" for p in v1["arms"][arm]["dropped_picks"])

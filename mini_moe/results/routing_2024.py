@@ -158,6 +158,57 @@ def contrasts_v2(runs: list[dict], *, contrasts=CONTRASTS_V2, seeds=SEEDS_V2, al
     return rows
 
 
+#: v1's family (exploratory, chosen with its runs; chapter 13): the three layouts; the two ways to drop
+#: nothing against c = 1; fine-grained experts against the coarse layers that drop nothing
+#: (granularity or avoided drops?); ReMoE against c = 1 and against the dropless Top-K layer its
+#: paper compares with. Holm over the nine.
+ARMS_V1_CH13 = ("tc_switch", "fine", "fine_shared", "tc_c2", "dropless", "remoe")
+CONTRASTS_V1 = [("fine", "tc_switch"), ("fine_shared", "tc_switch"), ("fine_shared", "fine"),
+                ("tc_c2", "tc_switch"), ("dropless", "tc_switch"), ("fine", "dropless"), ("fine", "tc_c2"),
+                ("remoe", "tc_switch"), ("remoe", "dropless")]
+
+
+def analysis_v1(results: dict) -> dict:
+    """Chapter 13's reading of v1 (``routing_2024-cpu-2core-xeon.json``, exploratory): on the seeds
+    where every arm of :data:`ARMS_V1_CH13` ran, ``contrasts`` (:data:`CONTRASTS_V1`, paired t over
+    the seeds with Holm over the nine, ``verdict`` in points) and per arm ``arms[arm]``: test
+    accuracy (mean and SD over the seeds), ``dropped_tokens`` (no expert at the last training step),
+    ``dropped_picks`` per layer on the test set (the share of picks that found a full buffer; None
+    for ReMoE, whose buffers of C = T slots hold every token: the file's value for it is superseded,
+    see its ``errata``), ``ms_per_step`` and ``gflop`` (one training step, XLA's count)."""
+    runs = {arm: {r["seed"]: r for r in results["runs"] if r["arm"] == arm} for arm in ARMS_V1_CH13}
+    seeds = sorted(set.intersection(*(set(by_seed) for by_seed in runs.values())))
+    if len(seeds) < 2:
+        raise ValueError(f"v1's contrasts need two seeds with every arm of {ARMS_V1_CH13}; have {seeds}.")
+    for s in seeds:  # ReMoE's buffers hold every token (C = T): none of its picks can drop
+        m = runs["remoe"][s]["config"]["model"]
+        assert dict(m["router_kwargs"])["capacity_factor"] >= m["num_experts"]
+    cells = [{**runs[arm][s], "router": arm, "capacity": 1.0, "seed": s} for arm in ARMS_V1_CH13 for s in seeds]
+    rows = [{"a": a, "b": b, **study.compare(cells, a, b)} for a, b in CONTRASTS_V1]
+    for row, p in zip(rows, study.holm([r["p_value"] for r in rows])):
+        row["p_holm"] = p
+        row["verdict"] = study.verdict(row, unit=" points", scale=100)
+
+    def mean(values):
+        return float(np.mean(list(values)))
+
+    arms = {}
+    for arm, by_seed in runs.items():
+        chosen = [by_seed[s] for s in seeds]
+        accuracy = [r["test_accuracy"] for r in chosen]
+        layers = len(chosen[0]["mechanisms"]["layers"])
+        arms[arm] = {
+            "test_accuracy": mean(accuracy), "test_sd": float(np.std(accuracy, ddof=1)),
+            "dropped_tokens": mean(r["train_log"][-1]["router/dropped"] for r in chosen),
+            "dropped_picks": None if arm == "remoe" else
+            [mean(r["mechanisms"]["layers"][i]["dropped_routes"] for r in chosen) for i in range(layers)],
+            "ms_per_step": 1000 * mean(r["train_seconds"] for r in chosen) / mean(r["steps"] for r in chosen),
+            "gflop": mean(r["step_flops"] for r in chosen) / 1e9,
+        }
+    superseded = mean(layer["dropped_routes"] for s in seeds for layer in runs["remoe"][s]["mechanisms"]["layers"])
+    return {"seeds": seeds, "contrasts": rows, "arms": arms, "remoe_superseded_dropped_routes": superseded}
+
+
 def descriptive_v2(runs: list[dict], arm: str) -> dict:
     """v2's registered descriptive numbers of one arm, mean over its runs (not tested):
 
