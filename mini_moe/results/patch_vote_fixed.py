@@ -163,12 +163,7 @@ def rates(record: dict, seed: int = 0) -> dict:
     runs = {(r["arm"], r["learning_rate"]): r for r in record["pilot"] if r["seed"] == seed}
     out = {"complete": all((a, lr) in runs for a in ARMS for lr in PILOT_RATES), "arms": {}}
     for arm in ARMS:
-        acc = {}
-        for lr in PILOT_RATES:
-            r = runs.get((arm, lr))
-            if r is not None:  # a failed run scores -inf at every budget
-                got = {b["budget"]: b["validation_accuracy"] for b in r.get("budgets", [])} if r["status"] == "ok" else {}
-                acc[lr] = {B: got.get(B, float("-inf")) for B in BUDGETS}
+        acc = pixel_routing.rate_table(runs, arm, PILOT_RATES, BUDGETS)
         chosen, limitations = {}, []
         if len(acc) == len(PILOT_RATES):
             for B in BUDGETS:

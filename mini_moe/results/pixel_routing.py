@@ -323,6 +323,19 @@ def pilot(dataset: str, seed: int = 0) -> None:
             _commit_record(f"issue 65 rate pilot: {name}")
 
 
+def rate_table(runs: dict, arm: str, rates, budgets) -> dict:
+    """``{rate: {budget: annealed validation accuracy}}`` of ``arm``'s pilot runs ``runs[arm, rate]``:
+    a failed run scores -inf at every budget, a missing one is left out (so a rule can tell that the
+    pilot is incomplete). Also ``patch_vote_fixed.rates``'s table."""
+    table = {}
+    for lr in rates:
+        r = runs.get((arm, lr))
+        if r is not None:
+            got = {b["budget"]: b["validation_accuracy"] for b in r.get("budgets", [])} if r["status"] == "ok" else {}
+            table[lr] = {B: got.get(B, float("-inf")) for B in budgets}
+    return table
+
+
 def pilot_rates(record: dict, dataset: str, seed: int = 0) -> dict:
     """The pilot's rule (module docstring): per arm, the annealed validation accuracy at each rate
     and budget, the best rate at each budget, the chosen rate (best at 2,000 steps, ties within 0.1
@@ -331,12 +344,7 @@ def pilot_rates(record: dict, dataset: str, seed: int = 0) -> dict:
             if r["dataset"] == dataset and r["seed"] == seed}
     out = {"dataset": dataset, "complete": all((a, lr) in runs for a in PILOT_ARMS for lr in PILOT_RATES), "arms": {}}
     for arm in PILOT_ARMS:
-        acc = {}
-        for lr in PILOT_RATES:
-            r = runs.get((arm, lr))
-            if r is not None:  # a failed run scores -inf at every budget
-                got = {b["budget"]: b["validation_accuracy"] for b in r.get("budgets", [])} if r["status"] == "ok" else {}
-                acc[lr] = {B: got.get(B, float("-inf")) for B in BUDGETS}
+        acc = rate_table(runs, arm, PILOT_RATES, BUDGETS)
         best = {}
         for B in BUDGETS:
             if len(acc) == len(PILOT_RATES):

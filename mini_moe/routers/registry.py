@@ -35,18 +35,6 @@ class Router(nnx.Module):
         allocation.check(self.num_experts)
 
     @property
-    def options(self) -> dict:
-        """``{option: default}`` of every option ``build`` takes beyond ``dim``, ``num_experts`` and
-        ``rngs`` (``k``, ``capacity_factor``, ``z_loss``, ``null_experts``, ...; an option without
-        a default maps to ``inspect.Parameter.empty``): what the layer, the configuration and
-        ``diagnose`` ask of a router, read from its one declaration."""
-        import inspect
-
-        params = inspect.signature(self.build).parameters
-        return {n: p.default for n, p in params.items() if n not in ("dim", "num_experts", "rngs")
-                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-
-    @property
     def per_image(self) -> bool:
         """Whether the router routes the tokens of each image on their own (Soft MoE)."""
         return self.allocation.per_image
