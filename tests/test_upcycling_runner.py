@@ -164,3 +164,21 @@ def test_the_analysis_waits_for_every_seed_unless_stopped():
         upcycling.analysis(record, plan)
     stopped = upcycling.analysis(record, plan, stopped=True)
     assert stopped["complete_seeds"] == list(plan.seeds[:-1]) and all(r["pairs"] == 8 for r in stopped["rows"])
+
+
+def test_probe_curve_averages_the_layers_and_leaves_out_failed_runs_and_other_seeds():
+    from mini_moe.results import upcycling as up
+
+    def run(seed, values, failed=False):
+        probe = [{"after": a, "layers": [{"kl_uniform": v, "update_cosine": None if a == 0 else v},
+                                         {"kl_uniform": 2 * v, "update_cosine": None if a == 0 else 3 * v}]}
+                 for a, v in zip((0, 10, 100), values)]
+        return {"arm": "up_tc", "seed": seed, "probe": probe, **({"failed": "loss"} if failed else {})}
+
+    runs = [run(0, (1.0, 2.0, 3.0)), run(1, (2.0, 4.0, 6.0)), run(2, (9.0, 9.0, 9.0), failed=True),
+            run(3, (7.0, 7.0, 7.0))]
+    after, kl = up.probe_curve(runs, "up_tc", "kl_uniform", seeds=(0, 1, 2))
+    assert after.tolist() == [0, 10, 100]
+    np.testing.assert_allclose(kl, [[1.5, 3.0, 4.5], [3.0, 6.0, 9.0]])  # the mean of the two layers
+    _, cos = up.probe_curve(runs, "up_tc", "update_cosine", seeds=(0,))
+    assert np.isnan(cos[0, 0]) and cos[0, 1] == 4.0  # None at the start: NaN

@@ -382,6 +382,66 @@ def analysis(record: dict, plan: Plan, *, stopped: bool = False) -> dict:
             "exploratory": len(complete) < 6}
 
 
+#: How each arm is drawn in :func:`plot`: (colour, line style).
+STYLE = {"dense": ("k", "-"), "up_tc": ("C0", "-"), "up_ec": ("C1", "-"), "up_tc_frozen": ("C0", ":"),
+         "up_tc_r25": ("C2", "-"), "up_tc_r50": ("C3", "-"), "scratch_tc": ("C0", "--"), "scratch_ec": ("C1", "--")}
+
+
+def probe_curve(runs: list[dict], arm: str, field: str, seeds) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps after the start [P], values [seeds, P])`` of probe metric ``field`` of ``arm``'s runs
+    on ``seeds`` (failed runs left out), the mean over the MoE layers (NaN where the metric is None,
+    e.g. the update cosine at a scratch arm's start)."""
+    cells = [r for r in runs if r["arm"] == arm and r["seed"] in seeds and "failed" not in r]
+    after = np.array([p["after"] for p in cells[0]["probe"]])
+    values = np.array([[np.mean([layer[field] for layer in p["layers"]]) if p["layers"][0][field] is not None
+                        else np.nan for p in r["probe"]] for r in cells], float)
+    return after, values
+
+
+def plot(record: dict, plan: Plan, seeds):
+    """Chapter 18's four panels from a study record: test accuracy against the step per arm (mean over
+    ``seeds``, band min-max; a grey line at the upcycling step N), the router's KL from uniform on the
+    probe set, and the mean cosine between experts and between their updates, against the steps after
+    the start (log scale, 0 drawn at 1). Returns the figure."""
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    cells = {arm: [r for r in record["runs"] if r["arm"] == arm and r["seed"] in seeds and "failed" not in r]
+             for arm in ARMS}
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    for arm in ARMS:
+        steps = sorted({int(s) for r in cells[arm] for s in r["test_accuracy"]})
+        accuracy = np.array([[r["test_accuracy"][str(s)] for s in steps] for r in cells[arm]]) * 100
+        colour, line = STYLE[arm]
+        axes[0].plot(steps, accuracy.mean(0), color=colour, ls=line, marker=".", label=arm)
+        axes[0].fill_between(steps, accuracy.min(0), accuracy.max(0), color=colour, alpha=0.08)
+    axes[0].axvline(plan.n, color="grey", lw=0.8)
+    axes[0].set(xlabel="training step", ylabel="test accuracy (%)", title="mean over seeds (band: min-max)")
+    axes[0].legend(fontsize=7, ncol=2)
+    for arm in ("up_tc", "up_ec", "up_tc_frozen", "scratch_tc", "scratch_ec"):
+        after, kl = probe_curve(record["runs"], arm, "kl_uniform", seeds)
+        colour, line = STYLE[arm]
+        axes[1].plot(np.maximum(after, 1), kl.mean(0), color=colour, ls=line, marker=".", label=arm)
+    axes[1].axhline(KL_THRESHOLD, color="grey", lw=0.8, ls=":")
+    axes[1].set(xscale="log", xlabel="steps after the start (0 plotted at 1)", ylabel="nats",
+                title="KL(router || uniform), probe set")
+    axes[1].legend(fontsize=7)
+    for ax, field, title in ((axes[2], "expert_cosine", "mean cosine between experts"),
+                             (axes[3], "update_cosine", "mean cosine between the experts' updates")):
+        for arm in ("up_tc", "up_tc_r25", "up_tc_r50", "scratch_tc"):
+            after, cos = probe_curve(record["runs"], arm, field, seeds)
+            colour, line = STYLE[arm]
+            with warnings.catch_warnings():  # the scratch arm has no update at its start: an empty mean there
+                warnings.simplefilter("ignore", RuntimeWarning)
+                mean_cos = np.nanmean(cos, 0)
+            ax.plot(np.maximum(after, 1), mean_cos, color=colour, ls=line, marker=".", label=arm)
+        ax.set(xscale="log", xlabel="steps after the start (0 plotted at 1)", title=title)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def analyze(plan: Plan, out: pathlib.Path, *, stopped: bool = False) -> dict:
     """:func:`analysis` of the results file ``out``, written into it (``"analysis"``)."""
     def update(rec):
