@@ -179,7 +179,7 @@ def all_to_all_diagram(devices: int = 4, experts_per_device: int = 2):
 
 def compute_maps(counts, labels, class_names, title: str = "", *, vmin: float = 1, vmax: float = 3):
     """Mean real experts per patch (``counts``, per MoE layer ``[N, P]`` with ``P`` a square grid
-    of patches, e.g. :func:`mini_moe.results.compute_per_patch.real_experts`) as one heatmap per
+    of patches, e.g. ``mini_moe.results.compute_per_patch.real_experts``) as one heatmap per
     layer by patch position, the value printed in each cell, and a panel of the mean per class
     (``labels [N]``, ``class_names`` in label order); a dotted line marks 2 experts."""
     plt = _plt()
