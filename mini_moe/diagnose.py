@@ -435,10 +435,9 @@ def diagnose_run(run_dir, *, images: int = 2000) -> dict:
     if not (run_dir / runs.CONFIG).exists() or not (run_dir / runs.CHECKPOINTS).is_dir():
         raise InputError(f"{run_dir} is not a training run: it needs config.json and checkpoints/ "
                          "(a folder written by 'python -m mini_moe train').")
-    cfg = runs.read_config(run_dir)
+    model, cfg = train.load_trained(run_dir)
     if cfg.model.router is None:
         raise InputError(f"{run_dir} holds a dense model (router=None): there is no routing to diagnose.")
-    model, _ = train.load_trained(run_dir)
     steps = runs.kept_steps(run_dir)
     previous, notes = None, []
     if len(steps) > 1:

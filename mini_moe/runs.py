@@ -235,15 +235,17 @@ def _check_shapes(run_dir: pathlib.Path, step: int, model, optimizer) -> None:
     expected = {".".join(tree_key(k) for k in path): None if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
                 else tuple(np.shape(leaf))  # a random key is stored as its raw data
                 for path, leaf in jax.tree_util.tree_flatten_with_path(_state(model, optimizer))[0]}
-    _, missing = _keys(_config_object(run_dir))
-    defaulted = f" ({run_dir / CONFIG} lacks {', '.join(missing)}, which took the default)" if missing else ""
-    other = f"{folder} holds another configuration than {run_dir / CONFIG}{defaulted}"
+    def other() -> str:  # the message's start, read from config.json only when something differs
+        _, missing = _keys(_config_object(run_dir))
+        defaulted = f" ({run_dir / CONFIG} lacks {', '.join(missing)}, which took the default)" if missing else ""
+        return f"{folder} holds another configuration than {run_dir / CONFIG}{defaulted}"
+
     for name, shape in expected.items():
         if name not in stored:
-            raise InputError(f"{other}: it has no {name.removesuffix('.value')}.")
+            raise InputError(f"{other()}: it has no {name.removesuffix('.value')}.")
         if shape is not None and stored[name] != shape:
-            raise InputError(f"{other}: {name.removesuffix('.value')} is stored as {stored[name]}, the "
+            raise InputError(f"{other()}: {name.removesuffix('.value')} is stored as {stored[name]}, the "
                              f"configuration makes it {shape}.")
     if set(stored) - set(expected):
-        raise InputError(f"{other}: it holds {sorted(set(stored) - set(expected))[0].removesuffix('.value')}, "
+        raise InputError(f"{other()}: it holds {sorted(set(stored) - set(expected))[0].removesuffix('.value')}, "
                          "which the configuration does not make.")
