@@ -12,8 +12,11 @@ and writes one JSON with the device's name, each step's status, seconds, failing
 tail, and the benchmark rows, rewritten after every step and every benchmark table, so that a run
 stopped by the device's lease keeps what it measured. Each step has a time limit (:data:`LIMITS`)
 that together fit 8 minutes; the first run (H200, 2026-11-28) showed that all five unit files take
-over 240 s there (about 2 s of compiling per test), hence the selection below. ``--dry`` takes the same code path on the CPU with tiny shapes and a short
-chapter, so CI runs it and it cannot rot (``tests/test_device_check.py``).
+over 240 s there (about 2 s of compiling per test), hence the selection below. ``--dry`` takes the same code path on the CPU
+and checks the plan, so CI runs it and it cannot rot (``tests/test_device_check.py``): the unit step and
+the chapter step collect what the device would run (``pytest --collect-only``: the selection finds
+tests in every file, the chapter's cells are there; CI's unit and nbval stages execute them anyway),
+and the benchmark runs every table at a tiny shape.
 
 Usage, from the repository root (on the device tool: ``PYTHONPATH=.``)::
 
@@ -42,11 +45,8 @@ UNIT_FILES = ("tests/test_train.py", "tests/test_precision.py", "tests/test_drop
 DEVICE_UNITS = "not test_train or resume_ends_with_the_same"
 #: Seconds each step may take on the device (units, benchmark tables started, chapter): 440 s in all.
 LIMITS = {"units": 220, "bench": 140, "chapter": 80}
-#: Dry mode: one quick test per file (the same pytest call), chapter 1 at the quick scale.
-DRY_UNITS = ("noise_has_std or softmax_token_choice_with_full_capacity or blocked_kernel_equals_ragged_dot "
-             "or bfloat16_forward_agrees or resume_ends_with_the_same")
 #: Chapter 1 at the full configuration (chapter 2's training there took over 240 s on the H200).
-CHAPTER, DRY_CHAPTER = "book/01_unified_formulation.ipynb", "book/01_unified_formulation.ipynb"
+CHAPTER = "book/01_unified_formulation.ipynb"
 #: Dry mode's benchmark shape (images per group, tokens, groups, D, H, E), for every bench table.
 TINY_SHAPE = (2, 16, 2, 32, 64, 4)
 BENCH_PARTS = ("dropless", "routers_reference", "training")
@@ -65,8 +65,15 @@ def run_step(name: str, command: list[str], env: dict, timeout: float) -> dict:
     print(f"[{name}] {status} in {seconds} s", flush=True)
     lines = output.strip().splitlines()
     failures = [line[:300] for line in lines if " FAILED" in line or " ERROR" in line or line.startswith(("E ", "FAILED "))]
-    return {"step": name, "status": status, "seconds": seconds, "command": " ".join(command),
-            "failures": failures[:80], "output_tail": "\n".join(lines[-15:])}
+    row = {"step": name, "status": status, "seconds": seconds, "command": " ".join(command),
+           "failures": failures[:80], "output_tail": "\n".join(lines[-15:])}
+    if "--collect-only" in command:  # dry mode: how many tests (or cells) each file would run
+        row["collected"] = {}
+        for line in lines:
+            if "::" in line:
+                path = line.split("::")[0].strip()
+                row["collected"][path] = row["collected"].get(path, 0) + 1
+    return row
 
 
 def bench_rows(dry: bool, repeats: int, save, limit: float) -> dict:
@@ -97,7 +104,8 @@ def bench_rows(dry: bool, repeats: int, save, limit: float) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the JSON to write")
-    parser.add_argument("--dry", action="store_true", help="CPU, tiny shapes, chapter 1 at the quick scale")
+    parser.add_argument("--dry", action="store_true", help="check the plan on the CPU: collect the tests and the "
+                        "chapter, run the benchmarks at a tiny shape")
     parser.add_argument("--repeats", type=int, default=None, help="benchmark repeats (default 10; dry 1)")
     args = parser.parse_args(argv)
     # Each step is a process of its own on the same accelerator: none may take 75 % of its memory up front.
@@ -108,9 +116,10 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     python = sys.executable
     pytest = [python, "-m", "pytest", "-v", "--tb=line", "-p", "no:cacheprovider", "-p", "no:xdist"]
-    units = pytest + [*UNIT_FILES, "-k", DRY_UNITS if args.dry else DEVICE_UNITS]
-    chapter_env = dict(env, MINI_MOE_SCALE="quick" if args.dry else "full")
-    chapter = pytest + ["--nbval-lax", "--nbval-current-env", DRY_CHAPTER if args.dry else CHAPTER]
+    collect = ["--collect-only", "-qq"] if args.dry else []  # with -v: one node id per line
+    units = pytest + [*UNIT_FILES, "-k", DEVICE_UNITS, *collect]
+    chapter_env = dict(env, MINI_MOE_SCALE="full")
+    chapter = pytest + ["--nbval-lax", "--nbval-current-env", CHAPTER, *collect]
     limits = {step: 240 for step in LIMITS} if args.dry else LIMITS
     record = {"what": "issue 55 §3's device check: unit tests, one chapter at the full configuration, the benchmarks",
               "dry": args.dry, "device": device.device_kind, "platform": device.platform,

@@ -1,5 +1,7 @@
-"""The device check (issue 55 §3) in its dry mode: the same steps as on a lent accelerator, with
-tiny shapes on the CPU, so the script that the next device runs first cannot rot."""
+"""The device check (issue 55 §3) in its dry mode: the same steps as on a lent accelerator, on the
+CPU, so the script that the next device runs first cannot rot. The dry run collects the device's
+unit selection and chapter (CI's unit and nbval stages execute them) and runs every benchmark table
+at a tiny shape."""
 
 import json
 import subprocess
@@ -19,8 +21,12 @@ def test_the_dry_run_takes_every_step_and_records_the_device(tmp_path):
     assert record["dry"] and record["platform"] == "cpu" and record["device"]
     assert [s["step"] for s in record["steps"]] == ["units", "bench", "chapter"]
     assert all(s["status"] == "ok" for s in record["steps"]), record["steps"]
-    units = record["steps"][0]
-    assert "passed" in units["output_tail"] and "failed" not in units["output_tail"] and units["failures"] == []
+    units, chapter = record["steps"][0], record["steps"][2]
+    # the device's selection finds tests in every unit file, and the chapter's cells are there
+    assert set(units["collected"]) == set(device_check.UNIT_FILES) and min(units["collected"].values()) >= 1, units
+    assert units["failures"] == [] and "error" not in units["output_tail"].lower(), units["output_tail"]
+    assert chapter["collected"] == {device_check.CHAPTER: chapter["collected"][device_check.CHAPTER]}
+    assert chapter["collected"][device_check.CHAPTER] >= 10, chapter
     dropless = record["bench"]["dropless"]
     assert {r["k"] for r in dropless} == {1, 2} and all("blocked_time_ratio" in r and "time_ratio" in r for r in dropless)
     routers = {r["router"] for r in record["bench"]["routers_reference"]}
