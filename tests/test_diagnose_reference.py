@@ -29,13 +29,20 @@ def confirmatory_runs() -> list[dict]:
     for cell in bench.committed(CONFIRMATORY)["cells"]:
         if cell["router"] == "dense":
             continue
-        model = train.make_model(confirm.config(cell["router"], cell["capacity"], cell["seed"]))
+        family, thresholds = _family(cell["router"], cell["capacity"])
         layers = [{ours: layer[theirs] for ours, theirs in FROM_MECHANISMS.items()}
                   for layer in cell["mechanisms"]["layers"]]
         rows.append({"run": f"{cell['router']} c={cell['capacity']:g} seed {cell['seed']}",
-                     "family": diagnose.family(model), "thresholds": diagnose.thresholds(model),
+                     "family": family, "thresholds": thresholds,
                      "layers": layers, "batch_dependence": cell["mechanisms"]["batch_dependence"], "findings": []})
     return rows
+
+
+@functools.cache
+def _family(router: str, capacity: float) -> tuple:
+    """A confirmatory cell's family and thresholds: they depend on its configuration, not its seed."""
+    model = train.make_model(confirm.config(router, capacity, 0))
+    return diagnose.family(model), diagnose.thresholds(model)
 
 
 @functools.cache
