@@ -4,7 +4,9 @@ assignment, each arm at its own rate, at 1,000 and 2,000 steps?
 Usage (from the repository root, one process per core)::
 
     COMMIT=1 CORE=1 taskset -c 1 .venv/bin/python mini_moe/results/patch_vote_fixed.py pilot
-    .venv/bin/python mini_moe/results/patch_vote_fixed.py rates   # each arm's rate per budget, by the rule
+    .venv/bin/python mini_moe/results/patch_vote_fixed.py rates     # each arm's rate per budget, by the rule
+    COMMIT=1 CORE=1 taskset -c 1 .venv/bin/python mini_moe/results/patch_vote_fixed.py confirm
+    .venv/bin/python mini_moe/results/patch_vote_fixed.py analyse   # the registered family, from the JSON
 
 Why (the study audit of 2026-11-28, M6, and issue 65 §4). Chapter 8's "frozen" arm holds the
 router's weights, not the assignment: the layers below it train and can steer the patches through
@@ -102,8 +104,8 @@ def measure(out_dir, test) -> dict:
     return row
 
 
-def train_run(arm: str, seed: int, rate: float, name: str) -> dict:
-    """One constant-rate run and its annealed budgets, measured (validation and test)."""
+def train_run(arm: str, seed: int, rate: float, name: str, budgets=BUDGETS) -> dict:
+    """One constant-rate run and its annealed ``budgets``, measured (validation and test)."""
     from mini_moe import train
 
     cfg = arm_config(arm, seed, rate)
@@ -113,7 +115,7 @@ def train_run(arm: str, seed: int, rate: float, name: str) -> dict:
              "train_seconds": round(history["seconds"], 2),
              "constant": [{"step": e["step"], "validation_accuracy": e["test_accuracy"]} for e in history["eval"]],
              "budgets": []}
-    for budget in BUDGETS:
+    for budget in budgets:
         out, h, cooldown = pixel_routing.annealed(cfg, name, budget, (train_part, validation), runs=RUNS)
         entry["budgets"].append({"budget": budget, "branch_from": budget - cooldown,
                                  "validation_accuracy": h["eval"][-1]["test_accuracy"],
@@ -121,7 +123,7 @@ def train_run(arm: str, seed: int, rate: float, name: str) -> dict:
     return entry
 
 
-def record_run(kind: str, name: str, arm: str, seed: int, rate: float, command: str) -> None:
+def record_run(kind: str, name: str, arm: str, seed: int, rate: float, command: str, budgets=BUDGETS) -> None:
     """Train one run unless it is recorded ``ok``; record it (failed ones too) and, with
     ``COMMIT=1``, commit the record."""
     if any(r["name"] == name and r["status"] == "ok" for r in load()[kind]):
@@ -129,7 +131,7 @@ def record_run(kind: str, name: str, arm: str, seed: int, rate: float, command: 
     tick = time.perf_counter()
     entry = {"name": name, "arm": arm, "seed": seed, "learning_rate": rate, "status": "ok"}
     try:
-        entry |= train_run(arm, seed, rate, name)
+        entry |= train_run(arm, seed, rate, name, budgets)
     except Exception as e:  # recorded (a non-finite loss too); the group goes on
         entry |= {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
     entry |= {"wall_seconds": round(time.perf_counter() - tick, 1), "command": command,
@@ -176,10 +178,114 @@ def rates(record: dict, seed: int = 0) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ the registered study
+
+#: patch_vote-fixed-preregistration.md: paired seeds, each arm's rate per budget (the pilot's rule,
+#: ``rates``), fixed by the registration's commit before the first cell.
+SEEDS = (1, 2, 3, 4, 5, 6, 7)
+RATES: dict = {}
+#: The family, Holm over its eight (each at both budgets): (name, first, second); positive favours the first.
+FAMILY = (("F1 ec - ec_frozen", "ec", "ec_frozen"), ("F2 ec - hash", "ec", "hash"),
+          ("F3 tc - tc_frozen", "tc", "tc_frozen"), ("F4 tc - hash", "tc", "hash"))
+EQUIVALENCE = 0.5  # points: F1 and F3 at 2,000 steps are "level" when the TOST rejects at this bound
+TOST_AT = 2000
+
+
+def plan(rates_by_arm: dict) -> list[tuple]:
+    """The runs of the registered study: ``(name, arm, seed, rate, budgets)``, seed by seed (so that
+    finished seeds are complete pairs); an arm whose rate differs between the budgets trains one
+    constant-rate run per rate, each branched only at its own budgets."""
+    runs = []
+    for seed in SEEDS:
+        for arm in ARMS:
+            by_rate: dict = {}
+            for budget in BUDGETS:
+                by_rate.setdefault(rates_by_arm[arm][budget], []).append(budget)
+            for rate, budgets in by_rate.items():
+                runs.append((f"conf-{arm}-lr{rate:g}-s{seed}", arm, seed, rate, tuple(budgets)))
+    return runs
+
+
+def confirm() -> None:
+    """Every run of :func:`plan` not yet recorded ``ok``; ``SEEDS_ONLY`` ("1,2") and ``ARMS_ONLY``
+    split the work between cores."""
+    if set(RATES) != set(ARMS):
+        sys.exit("RATES is not filled in: the registration fixes each arm's rate per budget before any cell")
+    seeds = os.environ.get("SEEDS_ONLY", ",".join(map(str, SEEDS))).split(",")
+    arms = os.environ.get("ARMS_ONLY", ",".join(ARMS)).split(",")
+    command = (f"COMMIT=1 CORE={os.environ.get('CORE', '1')} taskset -c {os.environ.get('CORE', '1')} "
+               f".venv/bin/python mini_moe/results/patch_vote_fixed.py confirm")
+    for name, arm, seed, rate, budgets in plan(RATES):
+        if str(seed) in seeds and arm in arms:
+            record_run("cells", name, arm, seed, rate, command, budgets)
+
+
+def test_accuracy(record: dict, rates_by_arm: dict) -> dict:
+    """``{(arm, seed): {budget: test accuracy}}`` of the recorded ``ok`` runs, each budget read from
+    the run at that arm's registered rate for it."""
+    out: dict = {}
+    for run in record["cells"]:
+        if run["status"] != "ok":
+            continue
+        for b in run["budgets"]:
+            if rates_by_arm[run["arm"]][b["budget"]] == run["learning_rate"]:
+                out.setdefault((run["arm"], run["seed"]), {})[b["budget"]] = b["test_accuracy"]
+    return out
+
+
+def analyse(record: dict, rates_by_arm: dict | None = None) -> dict:
+    """The registration's analysis: on the seeds where every arm has both budgets, each contrast of
+    :data:`FAMILY` at each budget as the mean paired difference in test accuracy (points), Student's
+    t with df = seeds - 1 and its 95 % CI; Holm over the eight; F1 and F3 at 2,000 steps also a TOST
+    at +-0.5 points. Descriptive: each arm's mean, each routed arm minus ``dense`` (unadjusted), and
+    per arm and budget the mean fraction of test tokens no expert processed (over MoE layers)."""
+    import math
+
+    from mini_moe import confirm as confirm_lib
+    from mini_moe import stats
+
+    rates_by_arm = RATES if rates_by_arm is None else rates_by_arm
+    acc = test_accuracy(record, rates_by_arm)
+    seeds = [s for s in SEEDS if all(set(acc.get((a, s), {})) >= set(BUDGETS) for a in ARMS)]
+    rows = []
+    for budget in BUDGETS:
+        for name, first, second in FAMILY:
+            diffs = [100 * (acc[first, s][budget] - acc[second, s][budget]) for s in seeds]
+            row = {"name": name, "budget": budget, "arms": [first, second], "pairs": len(diffs)}
+            if diffs:
+                row |= stats.paired_t(diffs)
+            if budget == TOST_AT and first + "_frozen" == second and len(diffs) >= 2:
+                row["tost_p"] = confirm_lib.tost(diffs, EQUIVALENCE)
+            rows.append(row)
+    if len(seeds) >= 2:
+        for row, adjusted in zip(rows, stats.holm([r["p_value"] for r in rows])):
+            row["p_holm"] = adjusted
+    means = {a: {B: 100 * sum(acc[a, s][B] for s in seeds) / len(seeds) for B in BUDGETS} for a in ARMS} if seeds else {}
+    versus_dense = [{"arm": a, "budget": B, **stats.paired_t([100 * (acc[a, s][B] - acc["dense", s][B]) for s in seeds])}
+                    for a in ARMS if a != "dense" for B in BUDGETS] if len(seeds) >= 2 else []
+    unprocessed: dict = {}
+    for run in record["cells"]:
+        if run["status"] == "ok" and run["seed"] in seeds:
+            for b in run["budgets"]:
+                if "layers" in b and rates_by_arm[run["arm"]][b["budget"]] == run["learning_rate"]:
+                    unprocessed.setdefault(run["arm"], {}).setdefault(b["budget"], []).append(
+                        sum(layer["unprocessed"] for layer in b["layers"]) / len(b["layers"]))
+    unprocessed = {a: {B: sum(v) / len(v) for B, v in per.items()} for a, per in unprocessed.items()}
+    return {"seeds": seeds, "means": means, "contrasts": rows, "versus_dense": versus_dense,
+            "unprocessed": unprocessed, "complete": seeds == list(SEEDS), "alpha": 0.05,
+            "failed": [r["name"] for r in record["cells"] if r["status"] != "ok"],
+            "note": None if not any(math.isnan(r.get("p_value", 0.0)) for r in rows) else "fewer than two seeds"}
+
+
 if __name__ == "__main__":
     groups = sys.argv[1:]
-    if not groups or any(g not in ("pilot", "rates") for g in groups):
-        sys.exit("usage: patch_vote_fixed.py pilot | rates")
+    if not groups or any(g not in ("pilot", "rates", "confirm", "analyse") for g in groups):
+        sys.exit("usage: patch_vote_fixed.py pilot | rates | confirm | analyse")
     if "pilot" in groups:
         pilot()
-    print(json.dumps(rates(load()), indent=1))
+    if "confirm" in groups:
+        confirm()
+    if "analyse" in groups:
+        print(json.dumps(analyse(load()), indent=1, default=str))
+    else:
+        print(json.dumps(rates(load()), indent=1))
