@@ -117,8 +117,10 @@ XLA_FLAGS = ("--xla_force_host_platform_device_count=1 --xla_backend_optimizatio
 # Survivors that no input can tell from the original, with the reason (filled in by hand after a
 # run; see mini_moe/results/mutants-report.md). Everything else that survives is "survived".
 EQUIVALENT: dict[str, str] = {
-    "layer:270:24:const": "default_block takes the largest power of two at most min(129, M / 2G) instead of "
-                          "min(128, ...): 128 either way, since no power of two lies in (128, 129].",
+    "layer:278:17:const": "default_block's floor max(5, ...) instead of max(4, ...): the largest power of two at "
+                          "most 5 is 4, as at most 4.",
+    "layer:278:24:const": "default_block takes the largest power of two at most min(65, 0.4 M / G) instead of "
+                          "min(64, ...): 64 either way, since no power of two lies in (64, 65].",
     "routing:198:99:const": "BPR's map back to token indices reads order[min(slot, T)] instead of "
                             "order[min(slot, T - 1)] only for empty slots (slot == T), whose value the enclosing "
                             "where replaces by T; JAX clamps the out-of-range gather, and integer indices carry no "

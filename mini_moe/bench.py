@@ -437,6 +437,55 @@ def compiled_flops(fn, *args) -> float:
     return compiled_cost(fn, *args)["flops"]
 
 
+def _dropless_point(shape_name: str, k: int, path: str, kernel: str, repeats: int, block: int | None = None) -> dict:
+    """One point of :func:`dropless_benchmarks`: Softmax Token Choice with ``k`` at
+    ``LAYER_SHAPES[shape_name]``, the gather path (``path="gather"``) or the dropless path with the
+    grouped-matmul ``kernel`` (``block``: the blocked kernel's rows per block, default
+    :func:`mini_moe.layer.default_block`); forward + backward ``ms`` and ``gflop``, and for the
+    blocked kernel its ``block``, used ``blocks`` and ``padding`` (padding rows over picks). The router
+    runs without its training noise."""
+    per_group, tokens, groups, dim, hidden, experts = LAYER_SHAPES[shape_name]
+    rng = nnx.Rngs(0)
+    router, x = _router_and_tokens("softmax_token_choice", shape_name, rng, k=k)
+    module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng, kernel=kernel, block=block),
+                      path="gather" if path == "gather" else "dropless")
+    module.eval()  # no router noise: every call routes alike, so the picks counted below are the timed ones
+    out = {"ms": round(time_fn(_fwd_bwd(_layer_output), module, x, repeats=repeats), 3)}
+    flops = compiled_flops(
+        lambda m, x: nnx.grad(lambda m, x: jnp.sum(_layer_output(m, x) ** 2), argnums=(0, 1))(m, x), module, x)
+    if kernel == "blocked":
+        rows = groups * per_group * tokens * k
+        size = layer_lib.default_block(rows, experts) if block is None else block
+        load = routing_lib.pick_load(router(x, dropless=True).affinities.scores, k=k)
+        used = int(np.sum(np.ceil(np.asarray(load) / size)))
+        # the loop bodies were counted once: add the other used blocks' (forward, d rows, d weights)
+        flops += (used - 1) * 3 * 2 * size * (dim * hidden + hidden * dim)
+        out |= {"block": size, "blocks": used, "padding": round(used * size / rows - 1, 4)}
+    return out | {"gflop": round(flops / 1e9, 4)}
+
+
+def dropless_block_sweep(repeats: int) -> list[dict]:
+    """The blocked kernel's trade-off (issue 66 §5): at every :data:`LAYER_SHAPES` size and k = 1, 2,
+    its time and FLOPs relative to the gather path at half, once and twice the default block
+    (:func:`mini_moe.layer.default_block`; at least 4 rows). Smaller blocks pad less and read each
+    expert's weights more often."""
+    results = []
+    for shape_name in LAYER_SHAPES:
+        for k in (1, 2):
+            gather = _dropless_point(shape_name, k, "gather", "auto", repeats)
+            per_group, tokens, groups, _, _, experts = LAYER_SHAPES[shape_name]
+            default = layer_lib.default_block(groups * per_group * tokens * k, experts)
+            for block in sorted({max(4, default // 2), default, 2 * default}):
+                point = _dropless_point(shape_name, k, "blocked", "blocked", repeats, block=block)
+                results.append({"shape": shape_name, "k": k, "block": block, "default": block == default,
+                                "gather_ms": gather["ms"], "blocked_ms": point["ms"], "padding": point["padding"],
+                                "time_ratio": round(point["ms"] / gather["ms"], 3),
+                                "flop_ratio": round(point["gflop"] / gather["gflop"], 3)})
+                print(f"  block sweep {shape_name:5s} k={k} block {block:4d}: x{results[-1]['time_ratio']:.2f} time "
+                      f"x{results[-1]['flop_ratio']:.2f} FLOPs", flush=True)
+    return results
+
+
 def dropless_benchmarks(repeats: int) -> list[dict]:
     """Dropless Token Choice (the layer's ``"dropless"`` path: sort, grouped matmuls) against the
     gather path at its usual capacity (c = k), Softmax Token Choice with k = 1 and 2 at every
@@ -448,29 +497,14 @@ def dropless_benchmarks(repeats: int) -> list[dict]:
     the other used blocks (``blocked_blocks``, from this input's picks per expert): the FLOPs
     executed."""
     results = []
-    for shape_name, (per_group, tokens, groups, dim, hidden, experts) in LAYER_SHAPES.items():
+    for shape_name in LAYER_SHAPES:
         for k in (1, 2):
             row = {"shape": shape_name, "k": k, "backend": jax.default_backend()}
             for path, kernel in (("gather", "auto"), ("dropless", "ragged_dot"), ("blocked", "blocked")):
-                rng = nnx.Rngs(0)
-                router, x = _router_and_tokens("softmax_token_choice", shape_name, rng, k=k)
-                module = MoeLayer(router, layer_lib.MlpExperts(experts, dim, hidden, rngs=rng, kernel=kernel),
-                                  path="gather" if path == "gather" else "dropless")
-                step = _fwd_bwd(_layer_output)
-                row[f"{path}_ms"] = round(time_fn(step, module, x, repeats=repeats), 3)
-                flops = compiled_flops(
-                    lambda m, x: nnx.grad(lambda m, x: jnp.sum(_layer_output(m, x) ** 2), argnums=(0, 1))(m, x),
-                    module, x)
+                point = _dropless_point(shape_name, k, path, kernel, repeats)
+                row |= {f"{path}_ms": point["ms"], f"{path}_gflop": point["gflop"]}
                 if kernel == "blocked":
-                    rows = groups * per_group * tokens * k
-                    block = layer_lib.default_block(rows, experts)
-                    load = routing_lib.pick_load(router(x, dropless=True).affinities.scores, k=k)
-                    used = int(np.sum(np.ceil(np.asarray(load) / block)))
-                    # the loop bodies were counted once: add the other used blocks' (forward, d rows, d weights)
-                    flops += (used - 1) * 3 * 2 * block * (dim * hidden + hidden * dim)
-                    row |= {"blocked_block": block, "blocked_blocks": used,
-                            "blocked_padding": round(used * block / rows - 1, 4)}
-                row[f"{path}_gflop"] = round(flops / 1e9, 4)
+                    row |= {f"blocked_{key}": point[key] for key in ("block", "blocks", "padding")}
             for path in ("dropless", "blocked"):
                 row[f"{path}_time_ratio"] = round(row[f"{path}_ms"] / row["gather_ms"], 3)
                 row[f"{path}_flop_ratio"] = round(row[f"{path}_gflop"] / row["gather_gflop"], 3)
@@ -526,6 +560,7 @@ PARTS = {"routers": router_benchmarks, "routers_reference": reference_router_ben
          "layer_width": layer_width_benchmarks,
          "soft_moe_experts": soft_moe_expert_benchmarks, "training": training_benchmarks,
          "sparsity_solver": sparsity_solver_benchmarks, "dropless": dropless_benchmarks,
+         "dropless_blocks": dropless_block_sweep,
          "loss_free": loss_free_benchmarks}
 
 

@@ -191,3 +191,38 @@ def test_a_dropless_model_is_the_same_with_the_blocked_kernel(variant):
                  blocked[1], ragged[1])
     expert_grads = [g for path, g in nnx.to_flat_state(blocked[1]) if "experts" in map(str, path)]
     assert expert_grads and all(float(jnp.abs(g[...]).max()) > 0 for g in expert_grads)  # the kernel's VJP is seen
+
+
+def test_the_block_sweep_measures_each_block_it_names(monkeypatch):
+    """bench's block sweep at a tiny shape: half, once and twice the default block for k = 1, 2,
+    each point's padding equal to the picks per expert rounded up to whole blocks (counted here from
+    the router's own top-k), and an MlpExperts with an explicit block computing the same layer."""
+    from flax import nnx
+
+    from mini_moe import bench, layer as layer_lib
+    from mini_moe.model import MoeLayer
+
+    monkeypatch.setattr(bench, "LAYER_SHAPES", {"tiny": (2, 40, 2, 16, 32, 4)})
+    monkeypatch.setattr(bench, "_SHAPES", {"tiny": (2, 40, 2, 16, 32, 4)})
+    rows = bench.dropless_block_sweep(1)
+    for k in (1, 2):
+        default = layer_lib.default_block(160 * k, 4)
+        mine = [r for r in rows if r["k"] == k]
+        assert [r["block"] for r in mine] == sorted({max(4, default // 2), default, 2 * default})
+        assert [r["default"] for r in mine] == [r["block"] == default for r in mine]
+        router, x = bench._router_and_tokens("softmax_token_choice", "tiny", nnx.Rngs(0), k=k)
+        router.eval()  # as the bench runs it: no noise
+        scores = np.asarray(router(x, dropless=True).affinities.scores).reshape(-1, 4)
+        load = np.bincount(np.argsort(-scores, axis=-1)[:, :k].ravel(), minlength=4)
+        for r in mine:
+            assert r["padding"] == round(np.sum(-(-load // r["block"])) * r["block"] / (160 * k) - 1, 4)
+            assert r["time_ratio"] > 0 and r["flop_ratio"] > 0
+    rng = nnx.Rngs(0)
+    router, x = bench._router_and_tokens("softmax_token_choice", "tiny", rng, k=2)
+    router.eval()
+    experts = layer_lib.MlpExperts(4, 16, 32, rngs=rng, kernel="blocked")
+    default_out, _ = MoeLayer(router, experts, path="dropless")(x)
+    experts.block = 4
+    np.testing.assert_allclose(MoeLayer(router, experts, path="dropless")(x)[0], default_out, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="block must be None or an int >= 1"):
+        layer_lib.MlpExperts(4, 16, 32, rngs=rng, block=0)

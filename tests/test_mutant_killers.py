@@ -310,12 +310,14 @@ def test_block_layout_puts_each_group_in_whole_blocks_of_its_own():
     assert (block_group[padded_ends[-1] // block:] == len(sizes)).all()  # unused blocks name G
 
 
-def test_default_block_is_the_largest_power_of_two_at_most_m_over_2g_in_16_to_128():
-    for m, g in [(1, 4), (7, 1), (8, 1), (64, 2), (100, 3), (392, 32), (784, 32), (10_000, 2), (1000, 8)]:
-        bound = max(16, min(128, m // (2 * g)))
+def test_default_block_is_the_largest_power_of_two_at_most_0_4_m_over_g_in_4_to_64():
+    for m, g in [(1, 4), (7, 1), (8, 1), (64, 2), (100, 3), (392, 32), (784, 32), (10_000, 2), (1000, 8), (160, 1)]:
+        bound = max(4, min(64, 0.4 * m / g))
         expected = max(2**i for i in range(8) if 2**i <= bound)
         assert layer.default_block(m, g) == expected, (m, g)
-    assert [layer.default_block(m, g) for m, g in [(392, 32), (6272, 8), (256, 2)]] == [16, 128, 64]
+    # the bench's points: B/32-like k = 1 and 2, quick, B/16-like; 0.4 * 160 = 64 exactly, 0.4 * 159 < 64
+    assert [layer.default_block(m, g) for m, g in [(392, 32), (784, 32), (6272, 8), (3136, 8), (160, 1), (159, 1)]] \
+        == [4, 8, 64, 64, 64, 32]
 
 
 @pytest.mark.parametrize("kernel", ["blocked", "ragged_dot"])
