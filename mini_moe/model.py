@@ -289,12 +289,15 @@ class MoeMlp(MoeLayer):
         null = NullExperts(cfg.null_experts, cfg.dim, rngs=rngs) if cfg.null_experts else None
         super().__init__(router, experts, path=cfg.moe_path, shared=shared, null=null)
         self.group_images = cfg.group_images
+        self.record = False  # :func:`mini_moe.modes.recording`: keep this layer's input tokens
 
     def __call__(self, x: Array, mesh: parallel.Mesh | None = None,
                  patches: Array | None = None) -> tuple[Array, routers_lib.RouterOutput]:
         """``x [B, N, D]`` (and the raw ``patches [B, N, p*p*C]``, which a router that reads
         pixels needs) -> (``[B, N, D]``, the router's output with ``probs [B, N, E]``)."""
         b, n, d = x.shape
+        if self.record:  # one call's input [B, N, D], read and cleared by mini_moe.modes.recording's caller
+            self.recorded = nnx.Intermediate(x)
         per_group = 1 if self.router.per_image else min(self.group_images, b)
         if b % per_group:
             raise InputError(

@@ -16,6 +16,8 @@ changed, whatever happens inside the block::
 * :func:`batch_priority`: Batch Prioritized Routing in every Token Choice layer (V-MoE Sec. 4.1);
 * :func:`router_dtype`: routers computing their logits in another precision (bfloat16);
 * :func:`replay`: every MoE layer routing as a recorded pass did (routing replay).
+* :func:`recording`: every MoE layer keeps its input tokens, which :func:`recorded` hands over after
+  each forward pass (what :mod:`mini_moe.compress` calibrates on).
 
 The facts these modes read about a model come from its layers, never from its configuration
 alone, so a mode and what measures under it cannot disagree: :func:`moe_layers` lists the MoE
@@ -157,6 +159,34 @@ def capacity(model, factor: float | None):
     routed = _routed_factor(model.cfg, factor)
     with _swapped([(r, "capacity_factor", routed) for r in routers]):
         yield model
+
+
+@contextlib.contextmanager
+def recording(model):
+    """Keep every MoE layer's input tokens for the block: after each forward pass (jitted or not)
+    :func:`recorded` returns them, one ``[B, N, D]`` array per MoE layer, and forgets them, so the
+    next batch's pass is the same program (what :func:`mini_moe.compress.calibrate` reads)."""
+    layers = moe_layers(model)
+    try:
+        with _swapped([(m, "record", True) for m in layers]):
+            yield model
+    finally:
+        for m in layers:  # nothing recorded outlives the block
+            if hasattr(m, "recorded"):
+                del m.recorded
+
+
+def recorded(model) -> list:
+    """The input tokens ``[B, N, D]`` of each MoE layer in the last forward pass under
+    :func:`recording` (bottom to top), removed from the layers; an ``InputError`` when a layer
+    holds none."""
+    out = []
+    for m in moe_layers(model):
+        if not hasattr(m, "recorded"):
+            raise InputError("no recorded inputs: run a forward pass inside `with modes.recording(model):` first.")
+        out.append(m.recorded[...])
+        del m.recorded
+    return out
 
 
 @contextlib.contextmanager
