@@ -24,6 +24,7 @@ trained model without training it again. Three steps, each a function:
    averaged over are those whose top-k includes the expert. This library takes the tokens the
    expert processed (a slot held them) and their combine weights, which is the same for a
    dropless router and, with capacity, counts only what reached the layer's output.
+   ``mini_moe/results/compress-sources.md`` records what each source says and where.
 
 3. :func:`prune` keeps the ``keep`` experts of each layer (:func:`keep_top` picks them by score).
    The router still scores every original expert; what it does with the removed ones' logits is
