@@ -22,7 +22,8 @@ Every module, in the order the book introduces them:
 * :mod:`mini_moe.upcycle` — sparse upcycling: a dense ViT's MLPs copied into experts (with
   Drop-Upcycling's partial re-initialisation).
 * :mod:`mini_moe.compress` — fewer experts at deployment: what each expert did on calibration
-  images, pruning criteria (frequency, gate, REAP) and pruning with the router's two denominators.
+  images, pruning criteria (frequency, gate, REAP), pruning with the router's two denominators, and
+  merging (M-SMoE, HC-SMoE).
 * :mod:`mini_moe.evaluate` — the one evaluation pass, accuracy, the 10-shot probe, routing
   records, batch dependence and mechanisms.
 * :mod:`mini_moe.modes` — run a trained model differently for a block (eval mode, another

@@ -1,4 +1,4 @@
-"""Fewer experts at deployment: one-shot pruning of a trained MoE (issue 67).
+"""Fewer experts at deployment: one-shot pruning and merging of a trained MoE (issue 67).
 
 An MoE layer stores E experts although each token uses few; pruning removes experts from a
 trained model without training it again. Three steps, each a function:
@@ -42,8 +42,28 @@ trained model without training it again. Three steps, each a function:
    token that picked no removed expert, as long as no capacity cut moves (the buffers are
    recomputed for the new E: ``C = round(c k T / E')``, larger than before).
 
+4. Merging instead replaces each group of experts by one (:func:`merge`), the groups chosen from
+   the calibration (:data:`GROUPINGS`):
+
+   * ``"mc_smoe"`` (M-SMoE, Li et al. 2024, arXiv 2310.01334): the most frequently used experts
+     of the layer are the groups' dominant experts, and every other expert joins the dominant one
+     whose router logits over the calibration tokens are most similar (cosine); before averaging,
+     each member's hidden units are permuted to match the dominant expert's (weight matching,
+     :func:`align_hidden_units`);
+   * ``"hc_smoe"`` (HC-SMoE, Chen et al. 2025, arXiv 2410.08589): agglomerative clustering, average
+     linkage, of the experts' mean outputs over all calibration tokens (Euclidean distance), the
+     members averaged as they are.
+
+   Both average a group's weights with each member's frequency as its weight. Neither changes the
+   router: it still scores all E original experts and routes as before, and every member of a group
+   now computes the merged expert (:class:`TiedExperts`; the authors' code ties the members to one
+   module the same way). So the buffers, and the FLOPs, stay those of E experts; what shrinks is
+   the parameters stored. A token whose picks fall in one group gets the merged output times the sum
+   of their gates, which is where the router loses its separate control of the members (REAP's
+   argument against merging).
+
 Only routers whose affinity is a softmax over experts (``softmax_choice``) with Token Choice at a
-fixed k or Expert Choice are pruned; any other raises ``InputError`` naming what it has.
+fixed k or Expert Choice are pruned or merged; any other raises ``InputError`` naming what it has.
 """
 
 from __future__ import annotations
@@ -62,6 +82,7 @@ from mini_moe.routers import Affinities, Router
 from mini_moe.validate import InputError
 
 CRITERIA = ("frequency", "gate", "ean", "reap", "random")
+GROUPINGS = ("mc_smoe", "hc_smoe")
 DENOMINATORS = ("kept", "full")
 
 
@@ -71,6 +92,7 @@ class LayerRecord:
 
     Attributes:
       inputs: ``[M, D]`` the layer's input tokens.
+      logits: ``[M, E]`` the router's logits.
       probs: ``[M, E]`` the router's distribution over experts.
       gates: ``[M, E]`` the combine weight of each expert's output in each token's output (eq. 2:
         ``combine`` summed over slots; 0 where the expert did not process the token).
@@ -79,6 +101,7 @@ class LayerRecord:
     """
 
     inputs: np.ndarray
+    logits: np.ndarray
     probs: np.ndarray
     gates: np.ndarray
     routed: np.ndarray
@@ -114,13 +137,15 @@ def calibrate(model, images: np.ndarray, *, batch_size: int = 400) -> list[Layer
     records = []
     for part, layer in zip(parts, layers):
         fields = {key: np.concatenate([p[key] for p in part]) for key in part[0]}
-        records.append(LayerRecord(**fields, outputs=expert_outputs(layer.experts, fields["inputs"])))
+        logits = np.concatenate([np.asarray(layer.router.logits(jnp.asarray(fields["inputs"][i:i + 4096])))
+                                 for i in range(0, len(fields["inputs"]), 4096)])
+        records.append(LayerRecord(**fields, logits=logits, outputs=expert_outputs(layer.experts, fields["inputs"])))
     return records
 
 
 def expert_outputs(experts: MlpExperts, tokens: np.ndarray, *, chunk: int = 4096) -> np.ndarray:
     """Every expert on every token: ``tokens [M, D]`` -> ``[M, E, D_out]``, in chunks of tokens."""
-    num_experts = experts.w1.shape[0]
+    num_experts = experts.num_experts
     apply = jax.jit(lambda x: experts(jnp.broadcast_to(x, (num_experts,) + x.shape)))
     return np.concatenate([np.moveaxis(np.asarray(apply(jnp.asarray(tokens[i:i + chunk]))), 0, 1)
                            for i in range(0, len(tokens), chunk)])
@@ -219,3 +244,135 @@ def _select_experts(experts: MlpExperts, kept: tuple[int, ...]) -> MlpExperts:
     for name in ("w1", "b1", "w2", "b2"):
         getattr(selected, name)[...] = getattr(experts, name)[...][index]
     return selected
+
+
+# ----------------------------------------------------------------------------------- merging
+
+
+class TiedExperts(MlpExperts):
+    """Merged experts: ``E'`` weight sets stored, ``E`` experts routed to, expert ``e`` computing
+    weight set ``members[e]`` (:func:`merge`). Everything else is :class:`~mini_moe.layer.MlpExperts`."""
+
+    def __init__(self, weights: dict, members: tuple[int, ...], *, kernel: str = "auto", block: int | None = None):
+        count, dim, hidden = weights["w1"].shape
+        super().__init__(count, dim, hidden, weights["w2"].shape[-1], rngs=nnx.Rngs(0), kernel=kernel, block=block)
+        for name, value in weights.items():
+            getattr(self, name)[...] = jnp.asarray(value)
+        self.members = tuple(int(g) for g in members)
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.members)
+
+    def _weights(self, dtype):
+        index = jnp.asarray(self.members)
+        return tuple(p[...][index].astype(dtype) for p in (self.w1, self.b1, self.w2, self.b2))
+
+
+def _expert_weights(experts: MlpExperts) -> dict:
+    """``{"w1": [E, D, H], "b1": [E, 1, H], "w2": [E, H, D], "b2": [E, 1, D]}`` as NumPy arrays, one
+    row per routed expert (tied experts repeat their weight set)."""
+    return dict(zip(("w1", "b1", "w2", "b2"), (np.asarray(w, np.float64) for w in experts._weights(jnp.float32))))
+
+
+def align_hidden_units(weights: dict, member: int, dominant: int) -> np.ndarray:
+    """The permutation of ``member``'s hidden units that best matches ``dominant``'s: the H x H
+    assignment maximising the summed inner products of each unit's input weights and bias
+    (``w1[:, :, h]``, ``b1[0, h]``) and output weights (``w2[h, :]``), solved exactly
+    (``scipy.optimize.linear_sum_assignment``). Permuting an expert's hidden units leaves its
+    function unchanged, so aligned experts can be averaged unit by unit (M-SMoE's weight matching)."""
+    from scipy.optimize import linear_sum_assignment
+
+    def units(e):  # [H, D + 1 + D]: each hidden unit's weights in and out
+        return np.concatenate([weights["w1"][e].T, weights["b1"][e].T, weights["w2"][e]], axis=1)
+
+    _, order = linear_sum_assignment(units(dominant) @ units(member).T, maximize=True)
+    return order  # dominant's unit h is matched by member's unit order[h]
+
+
+def group_experts(record: LayerRecord, num_groups: int, method: str) -> tuple[int, ...]:
+    """Each expert's group ``[E]`` (0 .. num_groups - 1, numbered by each group's lowest expert) by
+    ``method`` (:data:`GROUPINGS`, module docstring), from one layer's calibration."""
+    if method not in GROUPINGS:
+        raise InputError(f"method must be one of {GROUPINGS}, got {method!r}.")
+    num_experts = record.routed.shape[1]
+    if not 1 <= num_groups <= num_experts:
+        raise InputError(f"num_groups must be in 1..{num_experts} (the layer's experts), got {num_groups!r}.")
+    if method == "mc_smoe":
+        dominant = keep_top(saliency(record, "frequency"), num_groups)
+        z = record.logits.astype(np.float64).T  # [E, M]: each expert's logits over the calibration tokens
+        z = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-12)
+        similarity = z @ z[list(dominant)].T  # [E, groups]
+        label = [dominant.index(e) if e in dominant else int(np.argmax(similarity[e])) for e in range(num_experts)]
+    else:
+        label = average_linkage(record.outputs.astype(np.float64).mean(0), num_groups)
+    first = {}  # renumber the groups by their lowest expert
+    return tuple(first.setdefault(g, len(first)) for g in label)
+
+
+def average_linkage(points: np.ndarray, num_clusters: int) -> list[int]:
+    """Agglomerative clustering of ``points [E, D]`` into ``num_clusters``, average linkage on
+    Euclidean distances: repeatedly join the two clusters whose mean pairwise distance is smallest
+    (ties: the pair with the lowest indices). Returns each point's cluster id."""
+    distance = np.linalg.norm(points[:, None] - points[None], axis=-1)
+    clusters = [[e] for e in range(len(points))]
+    while len(clusters) > num_clusters:
+        best = min((distance[np.ix_(a, b)].mean(), i, j) for i, a in enumerate(clusters)
+                   for j, b in enumerate(clusters) if i < j)
+        _, i, j = best
+        clusters[i] = clusters[i] + clusters.pop(j)
+    label = [0] * len(points)
+    for c, members in enumerate(clusters):
+        for e in members:
+            label[e] = c
+    return label
+
+
+def merge_weights(weights: dict, groups: tuple[int, ...], frequency: np.ndarray, *, align: bool) -> dict:
+    """Each group's experts averaged into one weight set, each member weighted by its ``frequency``
+    (equal weights where the whole group has none); with ``align``, every member's hidden units are
+    first permuted to match the group's most frequent member (:func:`align_hidden_units`).
+    Returns ``{name: [groups, ...]}``."""
+    merged = {name: [] for name in weights}
+    for g in range(max(groups) + 1):
+        members = [e for e, group in enumerate(groups) if group == g]
+        share = np.asarray([frequency[e] for e in members], np.float64)
+        share = share / share.sum() if share.sum() > 0 else np.full(len(members), 1 / len(members))
+        dominant = members[int(np.argmax(share))]
+        parts = {name: [] for name in weights}
+        for e in members:
+            order = align_hidden_units(weights, e, dominant) if align and e != dominant else np.arange(
+                weights["w1"].shape[-1])
+            parts["w1"].append(weights["w1"][e][:, order])
+            parts["b1"].append(weights["b1"][e][:, order])
+            parts["w2"].append(weights["w2"][e][order])
+            parts["b2"].append(weights["b2"][e])
+        for name, values in parts.items():
+            merged[name].append(np.tensordot(share, np.stack(values), axes=1))
+    return {name: np.stack(values).astype(np.float32) for name, values in merged.items()}
+
+
+def merge(model, records: list[LayerRecord], num_groups: int, method: str):
+    """A copy of ``model`` whose MoE layers keep ``num_groups`` merged experts each, grouped and
+    merged by ``method`` (:data:`GROUPINGS`: ``"mc_smoe"`` aligns hidden units before averaging,
+    ``"hc_smoe"`` does not; module docstring) from ``records`` (:func:`calibrate` of ``model``).
+    The routers are unchanged; ``model`` is unchanged."""
+    check_prunable(model)
+    layers = modes.moe_layers(model)
+    if len(records) != len(layers):
+        raise InputError(f"records must hold one LayerRecord per MoE layer ({len(layers)}), got {len(records)}.")
+    merged = copy.deepcopy(model)
+    for layer, record in zip(modes.moe_layers(merged), records):
+        if isinstance(layer.experts, TiedExperts):
+            raise InputError("this model's experts are merged already; merge the original model.")
+        groups = group_experts(record, num_groups, method)
+        weights = merge_weights(_expert_weights(layer.experts), groups, saliency(record, "frequency"),
+                                align=method == "mc_smoe")
+        layer.experts = TiedExperts(weights, groups, kernel=layer.experts.kernel, block=layer.experts.block)
+    return merged
+
+
+def stored_expert_parameters(model) -> int:
+    """The expert parameters the model stores (merged experts count once)."""
+    return sum(int(np.prod(p.shape)) for layer in modes.moe_layers(model)
+               for p in (layer.experts.w1, layer.experts.b1, layer.experts.w2, layer.experts.b2))

@@ -37,7 +37,7 @@ def test_the_criteria_equal_numpy_on_a_hand_made_layer():
     outputs[0, 0], outputs[1, 0], outputs[1, 2], outputs[2, 2] = [3, 4], [0, 2], [6, 8], [0, 1]
     outputs[3] = 100.0  # a dropped token's outputs never count
     outputs[:, 1] = [1.0, 0.0]  # nor those of an expert that processed nothing
-    record = compress.LayerRecord(np.zeros((4, 2)), probs, gates, routed, outputs)
+    record = compress.LayerRecord(np.zeros((4, 2)), np.log(probs), probs, gates, routed, outputs)
     np.testing.assert_allclose(compress.saliency(record, "frequency"), [2 / 4, 0, 2 / 4])
     # the gate summed over the routed tokens per calibration token (not the router's probs: 1.45, 0.9, 1.65)
     np.testing.assert_allclose(compress.saliency(record, "gate"), [0.75 / 4, 0, 1.25 / 4])
@@ -159,3 +159,85 @@ def test_unsupported_models_and_bad_plans_are_clear_errors():
     with pytest.raises(ValueError, match="dense"):
         compress.calibrate(dense, IMAGES)
     assert nnx.state(model)  # the model these errors came from is still whole
+
+
+# ----------------------------------------------------------------------------------- merging
+
+
+def _weights(num_experts=4, dim=3, hidden=5, seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w1": rng.normal(size=(num_experts, dim, hidden)), "b1": rng.normal(size=(num_experts, 1, hidden)),
+            "w2": rng.normal(size=(num_experts, hidden, dim)), "b2": rng.normal(size=(num_experts, 1, dim))}
+
+
+def _apply(weights, e, x):
+    return np.asarray(jax.nn.gelu(x @ weights["w1"][e] + weights["b1"][e, 0])) @ weights["w2"][e] + weights["b2"][e, 0]
+
+
+def test_merging_weighs_by_frequency_and_alignment_undoes_a_permutation_of_hidden_units():
+    w = _weights()
+    perm = np.random.default_rng(1).permutation(5)
+    for name, axis in (("w1", -1), ("b1", -1), ("w2", 0)):  # expert 1: expert 0 with its hidden units shuffled
+        w[name][1] = np.take(w[name][0], perm, axis=axis)
+    w["b2"][1] = w["b2"][0]
+    x = np.random.default_rng(2).normal(size=(7, 3))
+    np.testing.assert_allclose(_apply(w, 1, x), _apply(w, 0, x), rtol=1e-10)  # the same function
+    order = compress.align_hidden_units(w, 1, 0)
+    np.testing.assert_array_equal(perm[order], np.arange(5))  # the shuffle, undone exactly
+    aligned = compress.merge_weights(w, (0, 0, 1, 2), np.array([3.0, 1.0, 1.0, 1.0]), align=True)
+    np.testing.assert_allclose(_apply(aligned, 0, x), _apply(w, 0, x), rtol=1e-5, atol=1e-5)
+    plain = compress.merge_weights(w, (0, 0, 1, 2), np.array([3.0, 1.0, 1.0, 1.0]), align=False)
+    assert np.abs(_apply(plain, 0, x) - _apply(w, 0, x)).max() > 1e-2  # unaligned averaging breaks it
+    np.testing.assert_allclose(plain["w1"][0], 0.75 * w["w1"][0] + 0.25 * w["w1"][1], rtol=1e-6)
+    np.testing.assert_allclose(plain["w2"][2], w["w2"][3], rtol=1e-6)  # a group of one is itself
+    unused = compress.merge_weights(w, (0, 0, 1, 2), np.zeros(4), align=False)  # no frequency: equal weights
+    np.testing.assert_allclose(unused["b2"][0], 0.5 * (w["b2"][0] + w["b2"][1]), rtol=1e-6)
+
+
+def test_average_linkage_equals_scipy():
+    from scipy.cluster.hierarchy import fcluster, linkage
+
+    for seed in range(5):
+        points = np.random.default_rng(seed).normal(size=(12, 4))
+        for clusters in (1, 3, 6, 12):
+            mine = compress.average_linkage(points, clusters)
+            theirs = fcluster(linkage(points, method="average", metric="euclidean"), clusters, criterion="maxclust")
+            same = {(a, b) for a in range(12) for b in range(12) if mine[a] == mine[b]}
+            assert same == {(a, b) for a in range(12) for b in range(12) if theirs[a] == theirs[b]}, (seed, clusters)
+
+
+def test_mc_smoe_groups_join_the_dominant_expert_with_the_closest_router_logits():
+    # 6 tokens, 4 experts: experts 0 and 2 are the most used; expert 1's logits run with expert 2's,
+    # expert 3's with expert 0's
+    routed = np.array([[1, 0, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0], [0, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 1]], bool)
+    base = np.random.default_rng(0).normal(size=(6, 1))
+    logits = np.concatenate([base, -base + 0.01, -base, base + 0.02], axis=1)
+    record = compress.LayerRecord(np.zeros((6, 2)), logits, np.zeros((6, 4)), routed.astype(float), routed,
+                                  np.zeros((6, 4, 2)))
+    assert compress.group_experts(record, 2, "mc_smoe") == (0, 1, 1, 0)
+    assert compress.group_experts(record, 4, "mc_smoe") == (0, 1, 2, 3)
+    with pytest.raises(ValueError, match="num_groups must be in 1..4"):
+        compress.group_experts(record, 5, "hc_smoe")
+    with pytest.raises(ValueError, match="method must be one of"):
+        compress.group_experts(record, 2, "kmeans")
+
+
+def test_merging_identical_experts_is_the_same_function_and_stores_fewer_parameters():
+    model = _model()
+    for layer in modes.moe_layers(model):  # experts 1 and 5 are copies of 0 and 4
+        for name in ("w1", "b1", "w2", "b2"):
+            p = getattr(layer.experts, name)
+            p[...] = p[...].at[1].set(p[...][0]).at[5].set(p[...][4])
+    records = compress.calibrate(model, IMAGES, batch_size=16)
+    merged = compress.merge(model, records, 6, "hc_smoe")  # the copies' mean outputs coincide: joined first
+    groups = [layer.experts.members for layer in modes.moe_layers(merged)]
+    assert all(g[0] == g[1] and g[4] == g[5] and len(set(g)) == 6 for g in groups), groups
+    np.testing.assert_allclose(_logits(merged), _logits(model), rtol=1e-5, atol=1e-5)
+    assert compress.stored_expert_parameters(merged) * 8 == compress.stored_expert_parameters(model) * 6
+    halved = compress.merge(model, records, 4, "mc_smoe")
+    assert [len(set(layer.experts.members)) for layer in modes.moe_layers(halved)] == [4, 4]
+    assert np.all(np.isfinite(_logits(halved)))
+    with pytest.raises(ValueError, match="merged already"):
+        compress.merge(halved, records, 2, "hc_smoe")
+    with pytest.raises(ValueError, match="one LayerRecord per MoE layer"):
+        compress.merge(model, records[:1], 2, "hc_smoe")
