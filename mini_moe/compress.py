@@ -376,3 +376,43 @@ def stored_expert_parameters(model) -> int:
     """The expert parameters the model stores (merged experts count once)."""
     return sum(int(np.prod(p.shape)) for layer in modes.moe_layers(model)
                for p in (layer.experts.w1, layer.experts.b1, layer.experts.w2, layer.experts.b2))
+
+
+def original_ids(layer) -> tuple[int, ...]:
+    """Which of the original experts each routed expert of a (pruned) MoE layer is."""
+    affinity = layer.router.affinity
+    return affinity.keep if isinstance(affinity, PrunedAffinity) else tuple(range(layer.router.num_experts))
+
+
+def fidelity(model, compressed, records: list[LayerRecord], *, images_per_call: int = 64) -> list[dict]:
+    """How closely each MoE layer of ``compressed`` follows ``model``'s on the calibration tokens,
+    both fed the original model's inputs to that layer (``records``, :func:`calibrate` of ``model``):
+
+    * ``reconstruction_error``: ||y - y'||^2 / ||y||^2 over the tokens, y and y' the two layers'
+      outputs (the layer-output error REAP bounds);
+    * ``routing_agreement``: the share of tokens whose picks, as original expert ids, are the same
+      (Token Choice; ``None`` for an allocation that makes no per-token picks).
+    """
+    out = []
+    with modes.eval_mode(model), modes.eval_mode(compressed):
+        for layer, small, record in zip(modes.moe_layers(model), modes.moe_layers(compressed), records):
+            tokens = model.cfg.num_patches
+            images = images_per_call - images_per_call % modes.group_images(model)
+            error, norm, same, total = 0.0, 0.0, 0, 0
+            ids = np.asarray(original_ids(small))
+            for start in range(0, len(record.inputs), images * tokens):
+                x = jnp.asarray(record.inputs[start:start + images * tokens]).reshape(-1, tokens, record.inputs.shape[-1])
+                if x.shape[0] % modes.group_images(model):
+                    break  # a last partial group is not routed as in calibration
+                y, a = layer(x)
+                y_small, b = small(x)
+                error += float(jnp.sum((y - y_small) ** 2))
+                norm += float(jnp.sum(y ** 2))
+                if a.picks is not None and b.picks is not None:
+                    mapped = np.zeros(np.shape(a.picks), bool)
+                    mapped[..., ids] = np.asarray(b.picks)
+                    same += int(np.all(mapped == np.asarray(a.picks), axis=-1).sum())
+                    total += int(np.prod(np.shape(a.picks)[:-1]))
+            out.append({"reconstruction_error": error / norm if norm else float("nan"),
+                        "routing_agreement": same / total if total else None})
+    return out

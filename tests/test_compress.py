@@ -241,3 +241,17 @@ def test_merging_identical_experts_is_the_same_function_and_stores_fewer_paramet
         compress.merge(halved, records, 2, "hc_smoe")
     with pytest.raises(ValueError, match="one LayerRecord per MoE layer"):
         compress.merge(model, records[:1], 2, "hc_smoe")
+
+
+def test_fidelity_is_zero_error_and_full_agreement_for_the_same_model_and_counts_moved_picks():
+    model = _model(model_router_kwargs={"k": 2, "capacity_factor": 8.0})
+    records = compress.calibrate(model, IMAGES, batch_size=16)
+    same = compress.fidelity(model, compress.prune(model, [tuple(range(8))] * 2), records)
+    assert all(f["reconstruction_error"] < 1e-10 and f["routing_agreement"] == 1.0 for f in same)
+    keep = [(0, 1, 2, 3, 4, 5)] * 2
+    full = compress.fidelity(model, compress.prune(model, keep, denominator="full"), records)
+    for f, record in zip(full, records):  # a token's picks stay exactly when it picked no removed expert
+        assert f["routing_agreement"] == pytest.approx(np.mean(~record.routed[:, 6:].any(1)))
+        assert 0 < f["reconstruction_error"] < 1
+    merged = compress.fidelity(model, compress.merge(model, records, 4, "hc_smoe"), records)
+    assert all(f["routing_agreement"] == 1.0 and f["reconstruction_error"] > 0 for f in merged)  # router unchanged
