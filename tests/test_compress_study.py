@@ -1,0 +1,66 @@
+"""Issue 67 §2's runner (mini_moe/results/compress_study.py): each model's configuration and the
+registered analysis on a made-up record, against scipy and Holm by hand (no training here; a smoke
+run of every arm is in the commit that added the runner)."""
+
+import numpy as np
+from scipy import stats
+
+from mini_moe.results import compress_study as cs
+
+
+def test_the_models_are_the_registered_ones():
+    for dataset in cs.REGISTERED.datasets:
+        cfg = cs.config(dataset, 3, cs.REGISTERED)
+        m, kwargs = cfg.model, dict(cfg.model.router_kwargs)
+        assert (cfg.dataset, cfg.seed, cfg.steps, cfg.learning_rate, cfg.warmup_steps) == (dataset, 3, 2000, 2e-3, 100)
+        assert (m.router, m.num_experts, m.dim, m.mlp_dim, m.depth, m.placement) == (
+            "softmax_token_choice", 8, 64, 64, 4, "every2")
+        assert (kwargs["k"], kwargs["capacity_factor"]) == (2, 2.0)
+        assert cs.config(dataset, 3, cs.REGISTERED, num_experts=4).model.num_experts == 4
+    assert cs.REGISTERED.seeds == (1, 2, 3, 4, 5) and cs.REGISTERED.removed == (2, 4, 6)
+    assert (cs.REGISTERED.primary, cs.REGISTERED.reference_experts, cs.REGISTERED.calibration) == (4, 4, 1024)
+
+
+def _record(accuracy, drop=()):
+    plan = {"datasets": ["patch_vote", "fashion_mnist"], "seeds": [1, 2, 3, 4, 5], "primary": 4, "reference_experts": 4}
+    cells = []
+    for dataset in plan["datasets"]:
+        for seed in plan["seeds"]:
+            arms = [{"arm": a, "removed": r, "test_accuracy": accuracy(dataset, a, r, seed)}
+                    for a in cs.PRUNE + cs.MERGE for r in (2, 4, 6) if (dataset, a, seed) not in drop]
+            cells.append({"kind": "model", "dataset": dataset, "seed": seed, "arms": arms,
+                          "none": {"test_accuracy": accuracy(dataset, "none", 0, seed)}})
+            cells.append({"kind": "reference", "dataset": dataset, "seed": seed, "test_accuracy": 0.5})
+    cells.append({"kind": "model", "dataset": "patch_vote", "seed": 9, "failed": "RuntimeError: boom"})
+    return {"plan": plan, "cells": cells}
+
+
+def test_the_family_is_paired_t_with_holm_over_eight():
+    rng = np.random.default_rng(0)
+    noise = {(d, a, r, s): rng.normal(0, 0.01) for d in ("patch_vote", "fashion_mnist") for a in cs.PRUNE + cs.MERGE
+             + ("none",) for r in (0, 2, 4, 6) for s in range(1, 6)}
+    base = {"reap": 0.8, "random": 0.6, "frequency": 0.78, "mc_smoe": 0.7, "hc_smoe": 0.81, "gate": 0.7,
+            "ean": 0.75, "none": 0.9}
+    out = cs.analyse(_record(lambda d, a, r, s: base[a] + noise[d, a, r, s]))
+    assert out["removed"] == 4 and len(out["contrasts"]) == 8
+    ps = []
+    for row in out["contrasts"]:
+        first, second = row["arms"]
+        d = [100 * (base[first] - base[second] + noise[row["dataset"], first, 4, s] - noise[row["dataset"], second, 4, s])
+             for s in range(1, 6)]
+        ref = stats.ttest_rel(d, np.zeros(5))
+        assert np.isclose(row["difference"], np.mean(d)) and np.isclose(row["p_value"], ref.pvalue) and row["df"] == 4
+        ps.append(ref.pvalue)
+    order = np.argsort(ps)
+    adjusted = np.maximum.accumulate([min(1, (8 - i) * ps[j]) for i, j in enumerate(order)])
+    assert np.allclose([out["contrasts"][j]["p_holm"] for j in order], adjusted)
+    table = cs.accuracy_table(_record(lambda d, a, r, s: base[a]))
+    assert table["patch_vote", "retrained", 4, 2] == 0.5 and table["fashion_mnist", "none", 0, 5] == 0.9
+
+
+def test_a_seed_missing_an_arm_leaves_that_datasets_family_and_a_failed_cell_is_skipped():
+    out = cs.analyse(_record(lambda d, a, r, s: 0.5 + 0.01 * s + (0.02 if a == "reap" else 0),
+                             drop={("patch_vote", "hc_smoe", 2)}))
+    rows = {(r["dataset"], r["name"]): r for r in out["contrasts"]}
+    assert rows["patch_vote", "P1 reap - random"]["seeds"] == [1, 3, 4, 5]
+    assert rows["fashion_mnist", "P1 reap - random"]["seeds"] == [1, 2, 3, 4, 5]
