@@ -65,7 +65,9 @@ def test_an_arm_whose_rate_differs_between_budgets_trains_one_run_per_rate():
     assert len(runs) == len(pv.SEEDS) * (len(pv.CONFIRM_ARMS) + 1) and "dense" not in {r[1] for r in runs}
     ec = [r for r in runs if r[1] == "ec" and r[2] == 1]
     assert ec == [("conf-ec-lr0.004-s1", "ec", 1, 4e-3, (1000,)), ("conf-ec-lr0.002-s1", "ec", 1, 2e-3, (2000,))]
-    assert [r for r in runs if r[1] == "tc" and r[2] == 7] == [("conf-tc-lr0.002-s7", "tc", 7, 2e-3, (1000, 2000))]
+    last = pv.SEEDS[-1]
+    assert [r for r in runs if r[1] == "tc" and r[2] == last] == [(f"conf-tc-lr0.002-s{last}", "tc", last, 2e-3,
+                                                                    (1000, 2000))]
     assert [r[2] for r in runs] == sorted(r[2] for r in runs)  # seed by seed: finished seeds are complete pairs
 
 
@@ -100,7 +102,7 @@ def test_the_analysis_is_paired_t_with_holm_over_eight_and_tost_for_the_frozen_c
         d = [100 * (base[first] - base[second] + noise[first, s, row["budget"]] - noise[second, s, row["budget"]])
              for s in pv.SEEDS]
         ref = stats.ttest_rel(d, np.zeros(len(d)))
-        assert np.isclose(row["difference"], np.mean(d)) and np.isclose(row["p_value"], ref.pvalue) and row["df"] == 6
+        assert np.isclose(row["difference"], np.mean(d)) and np.isclose(row["p_value"], ref.pvalue) and row["df"] == len(pv.SEEDS) - 1
         ps.append(ref.pvalue)
     order = np.argsort(ps)  # Holm by hand
     adjusted = np.maximum.accumulate([min(1, (len(ps) - i) * ps[j]) for i, j in enumerate(order)])
@@ -110,7 +112,8 @@ def test_the_analysis_is_paired_t_with_holm_over_eight_and_tost_for_the_frozen_c
     f3 = next(r for r in out["contrasts"] if r["name"].startswith("F3") and r["budget"] == 2000)
     d = np.array([100 * (noise["tc", s, 2000] - noise["tc_frozen", s, 2000]) for s in pv.SEEDS])
     se = d.std(ddof=1) / np.sqrt(len(d))
-    assert np.isclose(f3["tost_p"], max(stats.t.sf((d.mean() + 0.5) / se, 6), stats.t.cdf((d.mean() - 0.5) / se, 6)))
+    df = len(d) - 1
+    assert np.isclose(f3["tost_p"], max(stats.t.sf((d.mean() + 0.5) / se, df), stats.t.cdf((d.mean() - 0.5) / se, df)))
     assert np.isclose(out["means"]["hash"][2000], 100 * np.mean([0.9 + noise["hash", s, 2000] for s in pv.SEEDS]))
     assert np.isclose(out["unprocessed"]["ec"][1000], 0.2) and set(out["unprocessed"]) == set(pv.CONFIRM_ARMS)
 
@@ -119,6 +122,13 @@ def test_a_seed_with_a_failed_arm_leaves_the_analysis_and_is_named():
     out = pv.analyse(_study(lambda a, s, B: 0.5 + 0.01 * s, drop={("hash", 3)}), RATES)
     assert 3 not in out["seeds"] and not out["complete"] and out["failed"] == ["conf-hash-lr0.002-s3"]
     assert all(r["pairs"] == len(pv.SEEDS) - 1 for r in out["contrasts"])
+
+
+def test_the_registered_rates_are_the_pilots_rule_on_the_committed_pilot():
+    rule = pv.rates(pv.load())
+    assert rule["complete"]
+    assert {arm: {int(B): lr for B, lr in v["rate"].items()} for arm, v in rule["arms"].items()
+            if arm in pv.CONFIRM_ARMS} == pv.RATES
 
 
 def test_the_study_refuses_to_start_without_registered_rates(monkeypatch):
