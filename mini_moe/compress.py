@@ -81,8 +81,11 @@ from mini_moe.layer import MlpExperts
 from mini_moe.routers import Affinities, Router
 from mini_moe.validate import InputError
 
+#: The pruning criteria of :func:`saliency` (module docstring).
 CRITERIA = ("frequency", "gate", "ean", "reap", "random")
+#: The merging methods of :func:`group_experts` and :func:`merge` (module docstring).
 GROUPINGS = ("mc_smoe", "hc_smoe")
+#: What a pruned router does with the removed experts' logits (:func:`prune`).
 DENOMINATORS = ("kept", "full")
 
 
