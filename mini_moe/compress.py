@@ -132,7 +132,7 @@ def calibrate(model, images: np.ndarray, *, batch_size: int = 400) -> list[Layer
     parts: list[list[dict]] = [[] for _ in layers]
     with modes.recording(model):
         for out, n in evaluate.forward_batches(model, images, batch_size=batch_size, routing=True):
-            for part, layer, x, probs, rt in zip(parts, layers, modes.recorded(model), out.probs, out.routings):
+            for part, x, probs, rt in zip(parts, modes.recorded(model), out.probs, out.routings):
                 b, tokens, dim = x.shape
                 per_image = lambda a: np.asarray(a).reshape((b, tokens) + a.shape[2:])[:n].reshape((n * tokens,) + a.shape[2:])
                 part.append({"inputs": per_image(x), "probs": per_image(probs),
@@ -219,10 +219,10 @@ def prune(model, keep, *, denominator: str = "kept"):
     counts = {len(k) for k in keep}
     if len(counts) != 1:
         raise InputError(f"every MoE layer must keep the same number of experts (one num_experts), got {sorted(counts)}.")
-    fine = model.cfg.fine_grained
-    if counts.copy().pop() % fine:
+    fine, kept_count = model.cfg.fine_grained, counts.pop()
+    if kept_count % fine:
         raise InputError(f"with fine_grained={fine} the number of kept experts must be a multiple of {fine}, "
-                         f"got {counts.copy().pop()}.")
+                         f"got {kept_count}.")
     pruned = copy.deepcopy(model)
     for layer, kept in zip(modes.moe_layers(pruned), keep):
         kept = tuple(int(e) for e in kept)  # positions among the layer's present experts
@@ -234,7 +234,7 @@ def prune(model, keep, *, denominator: str = "kept"):
             original, affinity = tuple(affinity.keep[e] for e in kept), affinity.inner
         layer.router = Router(PrunedAffinity(affinity, original, denominator), layer.router.allocation)
         layer.experts = _select_experts(layer.experts, kept)
-    pruned.cfg = dataclasses.replace(model.cfg, num_experts=counts.pop() // fine)
+    pruned.cfg = dataclasses.replace(model.cfg, num_experts=kept_count // fine)
     return pruned
 
 
