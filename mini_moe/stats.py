@@ -1,7 +1,8 @@
 """The statistics the book's comparisons use, in one place: :func:`paired_t` (Student's paired t
 test and interval), :func:`holm` (Holm's step-down correction for a family), :func:`wilson` (a
 binomial share's interval), :func:`mcnemar` (the exact test of paired binary outcomes) and
-:func:`bootstrap_mean` (a percentile interval over resampled units, e.g. images)."""
+:func:`bootstrap_mean` (a percentile interval over resampled units, e.g. images) and
+:func:`crossed_bootstrap` (the same over two crossed factors at once, e.g. seeds and images)."""
 
 from __future__ import annotations
 
@@ -101,5 +102,24 @@ def bootstrap_mean(values, *, resamples: int = 2000, level: float = 0.95, seed: 
         raise InputError(f"values must be one number per unit, at least 2 units, got shape {values.shape}.")
     rng = np.random.default_rng(seed)
     means = values[rng.integers(0, len(values), (resamples, len(values)))].mean(1)
+    tail = (1 - level) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+
+
+def crossed_bootstrap(values, *, resamples: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the grand mean of ``values [S, N]``, whose rows and columns
+    are two crossed random factors (seeds and test images: every seed's model sees the same
+    images): each resample draws ``S`` rows and ``N`` columns with replacement, independently, and
+    takes the mean of that sub-table. So the interval covers the variation from both the seeds
+    and the finite test set, where :func:`paired_t` over per-seed means covers only the first."""
+    values = np.asarray(values, np.float64)
+    if values.ndim != 2 or min(values.shape) < 2:
+        raise InputError(f"values must be a table [seeds, images] with at least 2 of each, got shape {values.shape}.")
+    rng = np.random.default_rng(seed)
+    rows, cols = values.shape
+    # Resampling as weights: row and column counts of each resample, divided by the draws.
+    row_w = np.stack([np.bincount(r, minlength=rows) for r in rng.integers(0, rows, (resamples, rows))]) / rows
+    col_w = np.stack([np.bincount(c, minlength=cols) for c in rng.integers(0, cols, (resamples, cols))]) / cols
+    means = np.einsum("bs,sb->b", row_w, values @ col_w.T)
     tail = (1 - level) / 2
     return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))

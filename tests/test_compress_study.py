@@ -3,8 +3,10 @@ registered analysis on a made-up record, against scipy and Holm by hand (no trai
 run of every arm is in the commit that added the runner)."""
 
 import numpy as np
+import pytest
 from scipy import stats
 
+from mini_moe import stats as mm_stats
 from mini_moe.results import compress_study as cs
 
 
@@ -64,3 +66,22 @@ def test_a_seed_missing_an_arm_leaves_that_datasets_family_and_a_failed_cell_is_
     rows = {(r["dataset"], r["name"]): r for r in out["contrasts"]}
     assert rows["patch_vote", "P1 reap - random"]["seeds"] == [1, 3, 4, 5]
     assert rows["fashion_mnist", "P1 reap - random"]["seeds"] == [1, 2, 3, 4, 5]
+
+
+def test_the_per_image_record_packs_exactly_and_gives_the_crossed_interval_of_a_contrast():
+    rng = np.random.default_rng(1)
+    for n in (1, 7, 8, 10_000):
+        correct = rng.random(n) < 0.7
+        assert np.array_equal(cs.unpack(cs.pack(correct), n), correct)
+    bits = {(a, s): rng.random(50) < p for a, p in (("reap", 0.8), ("random", 0.6)) for s in range(1, 6)}
+
+    def arm(a, s):
+        return {"arm": a, "removed": 4, "test_accuracy": bits[a, s].mean(), "test_images": 50, "correct": cs.pack(bits[a, s])}
+    record = {"plan": {"datasets": ["patch_vote"], "seeds": [1, 2, 3, 4, 5], "primary": 4, "reference_experts": 4},
+              "cells": [{"kind": "model", "dataset": "patch_vote", "seed": s, "none": {"test_accuracy": 0.9},
+                         "arms": [arm(a, s) for a in ("reap", "random")]} for s in range(1, 6)]}
+    diff = np.stack([bits["reap", s].astype(float) - bits["random", s] for s in range(1, 6)])
+    low, high = cs.interval(record, "patch_vote", "reap", 4, "random")
+    assert (low, high) == pytest.approx(tuple(100 * x for x in mm_stats.crossed_bootstrap(diff)))
+    assert low < 100 * diff.mean() < high
+    assert cs.interval(record, "patch_vote", "reap", 4, "mc_smoe") is None  # no per-image record: no interval

@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from mini_moe import confirm, study
+from mini_moe import stats as mm_stats
 
 
 def _cell(router, capacity, seed, acc):
@@ -413,3 +414,22 @@ def test_chapter_13s_v1_reading_is_paired_t_with_holm_and_reads_no_dropped_picks
     assert v1["arms"]["remoe"]["dropped_picks"] is None and v1["remoe_superseded_dropped_routes"] > 0.8
     assert [e["field"] for e in record["errata"]] == ["runs[arm == 'remoe'].mechanisms.layers[].dropped_routes"]
     assert all(0 <= p <= 1 for arm in r24.ARMS_V1_CH13 if arm != "remoe" for p in v1["arms"][arm]["dropped_picks"])
+
+
+def test_crossed_bootstrap_is_the_mean_of_resampled_rows_and_columns():
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=(4, 30))
+    low, high = mm_stats.crossed_bootstrap(values, resamples=300, seed=5)
+    # an independent computation with the same draws: index the sub-table and average it
+    draws = np.random.default_rng(5)
+    rows = draws.integers(0, 4, (300, 4))
+    cols = draws.integers(0, 30, (300, 30))
+    means = [values[r][:, c].mean() for r, c in zip(rows, cols)]
+    assert (low, high) == pytest.approx((np.quantile(means, 0.025), np.quantile(means, 0.975)), abs=1e-12)
+    # image-level noise widens the interval beyond one over seeds alone (rows that differ only in
+    # their mean give the same interval whatever the columns)
+    seeds_only = np.repeat(values.mean(1, keepdims=True), 30, axis=1)
+    narrow = mm_stats.crossed_bootstrap(seeds_only, resamples=300, seed=5)
+    assert high - low > narrow[1] - narrow[0]
+    with pytest.raises(ValueError, match="values must be a table"):
+        mm_stats.crossed_bootstrap(values[0])

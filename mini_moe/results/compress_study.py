@@ -19,6 +19,7 @@ that name would shadow the ``compression`` module JAX's compilation cache tries 
 from __future__ import annotations
 
 import argparse
+import base64
 import dataclasses
 import json
 import os
@@ -93,8 +94,21 @@ def arms(model, records, plan: Plan, seed: int) -> dict:
 
 
 def measure(model, test) -> dict:
-    """Test accuracy and the expert parameters stored."""
-    return {"test_accuracy": evaluate.accuracy(model, test), "expert_parameters": compress.stored_expert_parameters(model)}
+    """Test accuracy, which test images were classified right (``correct``: :func:`pack`), and the
+    expert parameters stored."""
+    correct = evaluate.predictions(model, test.images, batch_size=512) == np.asarray(test.labels)
+    return {"test_accuracy": float(correct.mean()), "test_images": len(correct), "correct": pack(correct),
+            "expert_parameters": compress.stored_expert_parameters(model)}
+
+
+def pack(correct: np.ndarray) -> str:
+    """Booleans ``[N]`` as base64 text of their bits (10,000 test images: 1,668 characters)."""
+    return base64.b64encode(np.packbits(np.asarray(correct, bool)).tobytes()).decode()
+
+
+def unpack(text: str, n: int) -> np.ndarray:
+    """The inverse of :func:`pack` for ``n`` images."""
+    return np.unpackbits(np.frombuffer(base64.b64decode(text), np.uint8))[:n].astype(bool)
 
 
 def model_cell(dataset: str, seed: int, plan: Plan, runs: pathlib.Path) -> dict:
@@ -119,8 +133,7 @@ def reference_cell(dataset: str, seed: int, plan: Plan, runs: pathlib.Path) -> d
     out_dir = runs / f"{dataset}-E{plan.reference_experts}-s{seed}"
     history = train.train(cfg, out_dir, progress=False, datasets=(train_part, validation))
     model, _ = train.load_trained(out_dir)
-    return {"train_seconds": round(history["seconds"], 1), "test_accuracy": evaluate.accuracy(model, test),
-            "expert_parameters": compress.stored_expert_parameters(model)}
+    return {"train_seconds": round(history["seconds"], 1), **measure(model, test)}
 
 
 def results_path(plan: Plan, runs: pathlib.Path) -> pathlib.Path:
@@ -168,26 +181,53 @@ def run_study(plan: Plan, seeds, runs: pathlib.Path, *, source: str | None = Non
     return json.loads(out.read_text()) if out.exists() else {"cells": []}
 
 
-def accuracy_table(record: dict) -> dict:
-    """``{(dataset, arm, removed, seed): test accuracy}`` of every finished cell; the uncompressed
+def _measurements(record: dict):
+    """``((dataset, arm, removed, seed), measurement)`` of every finished cell; the uncompressed
     model is arm ``"none"`` (removed 0), the reference ``"retrained"`` (removed 8 - its E)."""
-    table = {}
     for c in record["cells"]:
         if "failed" in c:
             continue
         if c["kind"] == "reference":
-            table[c["dataset"], "retrained", 8 - record["plan"]["reference_experts"], c["seed"]] = c["test_accuracy"]
+            yield (c["dataset"], "retrained", 8 - record["plan"]["reference_experts"], c["seed"]), c
             continue
-        table[c["dataset"], "none", 0, c["seed"]] = c["none"]["test_accuracy"]
+        yield (c["dataset"], "none", 0, c["seed"]), c["none"]
         for a in c["arms"]:
-            table[c["dataset"], a["arm"], a["removed"], c["seed"]] = a["test_accuracy"]
-    return table
+            yield (c["dataset"], a["arm"], a["removed"], c["seed"]), a
+
+
+def accuracy_table(record: dict) -> dict:
+    """``{(dataset, arm, removed, seed): test accuracy}`` of every finished cell (arms named as in
+    :func:`_measurements`)."""
+    return {key: m["test_accuracy"] for key, m in _measurements(record)}
+
+
+def correct_table(record: dict) -> dict:
+    """``{(dataset, arm, removed, seed): correct [test images] (bool)}`` where a cell recorded it."""
+    return {key: unpack(m["correct"], m["test_images"]) for key, m in _measurements(record) if "correct" in m}
+
+
+def interval(record: dict, dataset: str, first: str, removed: int, second: str | None = None,
+             seeds=None) -> tuple[float, float] | None:
+    """95 % interval over seeds and test images (:func:`mini_moe.stats.crossed_bootstrap`), in
+    points, of arm ``first``'s accuracy, or of ``first - second`` paired by seed and image; None
+    where a seed lacks the per-image record."""
+    bits = correct_table(record)
+    seeds = record["plan"]["seeds"] if seeds is None else seeds
+    rows = []
+    for s in seeds:
+        a, b = bits.get((dataset, first, removed, s)), None if second is None else bits.get((dataset, second, removed, s))
+        if a is None or (second is not None and b is None):
+            return None
+        rows.append(a.astype(float) - (0 if b is None else b))
+    low, high = stats.crossed_bootstrap(np.stack(rows))
+    return 100 * low, 100 * high
 
 
 def analyse(record: dict) -> dict:
     """The registered family at the primary compression: per dataset, on the seeds where every arm
     of the family finished, each contrast of :data:`FAMILY` as the mean paired difference in points
-    with Student's t (df = seeds - 1), its 95 % CI, Holm over all of them."""
+    with Student's t (df = seeds - 1), its 95 % CI, Holm over all of them; and, descriptively, the
+    difference's 95 % interval over seeds and test images (:func:`interval`)."""
     plan = record["plan"]
     table = accuracy_table(record)
     rows = []
@@ -198,7 +238,9 @@ def analyse(record: dict) -> dict:
             diffs = [100 * (table[dataset, first, plan["primary"], s] - table[dataset, second, plan["primary"], s])
                      for s in seeds]
             rows.append({"dataset": dataset, "name": name, "arms": [first, second], "seeds": seeds,
-                         **(stats.paired_t(diffs) if diffs else {"pairs": 0})})
+                         **(stats.paired_t(diffs) if diffs else {"pairs": 0}),
+                         "seeds_and_images_ci": interval(record, dataset, first, plan["primary"], second, seeds)
+                         if len(seeds) > 1 else None})
     ps = [r.get("p_value", float("nan")) for r in rows]
     if all(np.isfinite(ps)):
         for r, p in zip(rows, stats.holm(ps)):
