@@ -345,7 +345,9 @@ def _bracketed_top_k_mask(x: Array, k: int, lo: Array, hi: Array, *, most: int |
     largest entries, between k and ``most`` of them) by bisection on the value, given ``lo [...]``
     and ``hi [...]`` with ``count(x >= lo) >= k > count(x >= hi)``. A row is done when some
     threshold keeps an allowed number of entries; returns the mask and whether every row found
-    one (a row whose k-th and (k+1)-th values tie, or a wrong bracket, never does)."""
+    one (a row whose k-th and (k+1)-th values tie, or a wrong bracket, never does; nor may a row
+    whose two values lie closer than float32's smallest normal number, 1.2e-38, where XLA's CPU
+    flushes the subnormal thresholds between them to zero)."""
     most = k if most is None else most
 
     def body(state):
