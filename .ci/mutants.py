@@ -63,7 +63,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = ("routing", "layer", "losses")
+#: The modules mutated (paths under mini_moe/ without .py): issue 52's three, and issue 66 §3's routers/,
+#: inference and upcycle.
+MODULES = ("routing", "layer", "losses", "routers/affinities", "routers/allocations", "routers/balancing",
+           "routers/adaptive", "routers/null", "routers/controls", "routers/papers", "routers/stateful",
+           "routers/registry", "inference", "upcycle")
 RESULTS = ROOT / "mini_moe" / "results"
 
 # The fast test subset per module from the existing suite, chosen by timing tests/test_routing.py,
@@ -107,6 +111,89 @@ SUITE = {
         "tests/test_bug_zoo.py::test_megatron_1513_the_sequence_wise_loss_counts_the_top_k_not_what_capacity_kept",
     ],
 }
+# Issue 66 §3: routers/, inference and upcycle. Every router module runs ROUTERS_CORE (the golden outputs
+# of every registered router, tests/data/router_golden.npz, and the routers' known-value tests) and the
+# fast tests of its own file; the slow training tests (resume, whole models) are left out, as above.
+ROUTERS_CORE = [
+    "tests/test_routers.py::test_registered_routers_outputs_are_unchanged",
+    "tests/test_routers.py::test_registry_has_every_router_of_the_papers",
+    "tests/test_routers.py::test_softmax_token_choice_noise_and_losses",
+    "tests/test_routers.py::test_softmax_token_choice_noise_has_std_noise_std_over_e",
+    "tests/test_routers.py::test_sinkhorn_routers_softmax_combine_switch",
+    "tests/test_routers.py::test_sinkhorn_token_choice_balances_better_than_softmax",
+    "tests/test_routers.py::test_svmoe_uses_quadratic_plan_with_gamma_one_over_k",
+    "tests/test_routers.py::test_expert_choice_capacity_factor",
+    "tests/test_routers.py::test_soft_moe_normalisation_and_scale",
+    "tests/test_routers.py::test_soft_moe_ablations_of_paper_002_table_2",
+    "tests/test_routers.py::test_bad_router_arguments",
+    "tests/test_routers.py::test_registered_routers_are_named_compositions",
+    "tests/test_routers.py::test_per_image_is_decided_by_the_allocation_alone",
+]
+SUITE.update({
+    "routers/affinities": ROUTERS_CORE + ["tests/test_raw_key.py::test_every_path_and_mode_routes_by_the_raw_patch"],
+    "routers/allocations": ROUTERS_CORE + [
+        "tests/test_top_p.py::test_with_tight_buffers_the_picks_follow_algorithm_1",
+        "tests/test_null_experts.py::test_token_choice_with_null_experts_equals_loops",
+        "tests/test_null_experts.py::test_null_picks_take_no_slot_and_are_never_dropped",
+    ],
+    "routers/balancing": ROUTERS_CORE + [
+        "tests/test_loss_free.py::test_bad_options_name_the_argument",
+        "tests/test_loss_free.py::test_group_limited_routing_equals_deepseek_v3s_gate_whatever_the_level_of_the_bias",
+        "tests/test_loss_free.py::test_the_routers_sequence_balance_counts_the_unbiased_top_k",
+        "tests/test_loss_free.py::test_gates_are_normalised_unbiased_sigmoid_scores_of_the_biased_top_k",
+        "tests/test_loss_free.py::test_bias_update_runs_under_jit_and_grad",
+        "tests/test_loss_free.py::test_sequence_balance_loss_by_hand",
+        "tests/test_loss_free.py::test_bias_moves_overloaded_experts_down_and_only_in_training",
+        "tests/test_loss_free.py::test_the_batch_wise_balance_loss_counts_every_token_of_the_batch",
+        "tests/test_loss_free.py::test_at_k1_the_gate_is_the_chosen_score_and_the_router_learns_from_the_task",
+        "tests/test_loss_free.py::test_global_batch_balance_counts_the_whole_batch",
+    ],
+    "routers/adaptive": ROUTERS_CORE + [
+        "tests/test_top_p.py::test_bad_options_name_the_argument",
+        "tests/test_top_p.py::test_selection_equals_the_papers_rule",
+        "tests/test_top_p.py::test_the_router_dispatches_exactly_the_selection_with_the_probabilities_as_weights",
+        "tests/test_top_p.py::test_a_cumulative_that_reaches_p_exactly_stops_the_selection",
+        "tests/test_top_p.py::test_the_threshold_moves_once_per_accumulated_step_and_never_without_a_target",
+        "tests/test_top_p.py::test_a_tiny_threshold_is_top_1_and_the_selection_grows_with_p",
+        "tests/test_top_p.py::test_the_controller_holds_the_target_number_of_experts_per_token",
+        "tests/test_top_p.py::test_the_dynamic_loss_is_the_mean_entropy_and_the_balance_counts_the_selection",
+        "tests/test_top_p.py::test_p_1_under_round_off_selects_every_expert_and_never_a_zero_probability",
+        "tests/test_remoe.py::test_bad_options",
+        "tests/test_remoe.py::test_threshold_token_choice_equals_the_loop",
+        "tests/test_remoe.py::test_penalty_is_load_balanced_l1_times_lambda",
+        "tests/test_remoe.py::test_controller_moves_lambda_towards_the_target_sparsity",
+        "tests/test_remoe.py::test_gates_are_relu_and_the_combine_weights",
+    ],
+    "routers/null": ROUTERS_CORE + [
+        "tests/test_null_experts.py::test_bad_input_names_the_argument",
+        "tests/test_null_experts.py::test_token_choice_with_null_experts_equals_loops",
+        "tests/test_null_experts.py::test_null_aware_loss_pools_the_null_experts",
+        "tests/test_null_experts.py::test_the_controller_reaches_its_target_count",
+        "tests/test_null_experts.py::test_combine_weights_keep_their_invariants",
+        "tests/test_null_experts.py::test_a_zero_expert_costs_no_flops",
+        "tests/test_null_experts.py::test_null_picks_take_no_slot_and_are_never_dropped",
+        "tests/test_null_experts.py::test_identity_expert_is_the_identity_and_constant_expert_is_moe_plus_plus",
+    ],
+    "routers/controls": ROUTERS_CORE + [
+        "tests/test_routing_controls.py::test_expert_choice_with_token_choices_noise",
+        "tests/test_routing_controls.py::test_a_frozen_router_keeps_its_initial_weights_while_the_experts_train",
+        "tests/test_routing_controls.py::test_study_variants_set_exactly_their_options",
+        "tests/test_routing_controls.py::test_token_choice_without_noise_and_loss_changes_exactly_those",
+        "tests/test_routing_controls.py::test_the_hash_router_is_balanced_on_random_tokens_deterministic_and_learns_nothing",
+    ],
+    "routers/papers": ROUTERS_CORE,
+    "routers/stateful": ROUTERS_CORE + [
+        "tests/test_router_protocol.py::test_the_librarys_stateful_affinities_follow_the_protocol_and_the_others_do_not",
+        "tests/test_router_protocol.py::test_stateless_affinities_are_left_alone",
+        "tests/test_top_p.py::test_the_threshold_moves_once_per_accumulated_step_and_never_without_a_target",
+    ],
+    "routers/registry": ROUTERS_CORE + ["tests/test_routers.py::test_register_refuses_a_taken_name_unless_replace",
+                                        "tests/test_router_protocol.py"],
+    "inference": [
+        "tests/test_inference.py",
+    ],
+    "upcycle": ["tests/test_upcycle.py"],
+})
 # Run on a mutant that survives SUITE: the tests issue 52 §3 added to kill the survivors.
 NEW_TESTS = ["tests/test_mutant_killers.py"]
 # One-core XLA flags: one host device, and CI's cheaper compilation (the subsets compile far more
@@ -420,7 +507,7 @@ def check_import(work: Path, module: str, core: str):
     """The copy's module is the one imported (not /work/main's)."""
     env = env_one_core()
     env["PYTHONPATH"] = str(work)
-    code = f"import mini_moe.{module} as m; print(m.__file__)"
+    code = f"import mini_moe.{module.replace('/', '.')} as m; print(m.__file__)"
     out = subprocess.run(["taskset", "-c", core, str(ROOT / ".venv" / "bin" / "python"), "-c", code], cwd=work,
                          env=env, capture_output=True, text=True).stdout.strip()
     expected = str(work / "mini_moe" / f"{module}.py")
