@@ -1,5 +1,6 @@
 """Tests that kill the mutants of routing.py, layer.py and losses.py that survived the suite
-(issue 52 §3, `.ci/mutants.py`, `mini_moe/results/mutants-report.md`).
+(issue 52 §3, `.ci/mutants.py`, `mini_moe/results/mutants-report.md`), and of issue 66 §3's
+modules (routers/, inference, upcycle) at the end.
 
 Each test checks a property of the code against something independent of it: a NumPy
 re-implementation written from the docstring or the paper, an invariant, or a value from the
@@ -550,3 +551,21 @@ def test_the_blocked_kernels_backward_multiplies_only_the_blocks_its_groups_use(
     _, _, num_blocks = layer.block_layout(jnp.asarray(sizes, jnp.int32), num_rows, block)
     assert len(taken) == 3 * num_blocks and num_blocks > used
     assert sum(taken) == 3 * used
+
+
+# ------------------------------------------------------- issue 66 §3: routers/, inference, upcycle
+
+
+def test_token_choice_makes_no_pick_whose_score_equals_min_score():
+    """``TokenChoice.picks`` with a ``min_score`` (ReLU routing: 0; null experts: the sentinel)
+    makes a pick only where the score is *above* it: a gate of exactly 0 is no pick, as ReMoE's
+    ReLU defines it (kills routers/allocations:128:75, ``>`` -> ``>=``)."""
+    from mini_moe.routers import allocations, types
+
+    scores = np.array([[0.5, 0.0, -0.2, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 2.0, 0.0, 3.0]], np.float32)
+    picks = allocations.TokenChoice(k=4, min_score=0.0).picks(types.Affinities(jnp.asarray(scores)))
+    np.testing.assert_array_equal(np.asarray(picks), scores > 0)
+    sentinel = -1e9  # the null-expert path's sentinel for the picks it removed
+    masked = np.where(scores > 0, scores, sentinel).astype(np.float32)
+    picks = allocations.TokenChoice(k=2, min_score=sentinel).picks(types.Affinities(jnp.asarray(masked)))
+    assert not np.asarray(picks)[masked == np.float32(sentinel)].any()
