@@ -207,11 +207,11 @@ XLA_FLAGS = ("--xla_force_host_platform_device_count=1 --xla_backend_optimizatio
 # Survivors that no input can tell from the original, with the reason (filled in by hand after a
 # run; see mini_moe/results/mutants-report.md). Everything else that survives is "survived".
 EQUIVALENT: dict[str, str] = {
-    "layer:278:17:const": "default_block's floor max(5, ...) instead of max(4, ...): the largest power of two at "
+    "layer:280:17:const": "default_block's floor max(5, ...) instead of max(4, ...): the largest power of two at "
                           "most 5 is 4, as at most 4.",
-    "layer:278:24:const": "default_block takes the largest power of two at most min(65, 0.4 M / G) instead of "
+    "layer:280:24:const": "default_block takes the largest power of two at most min(65, 0.4 M / G) instead of "
                           "min(64, ...): 64 either way, since no power of two lies in (64, 65].",
-    "routing:198:99:const": "BPR's map back to token indices reads order[min(slot, T)] instead of "
+    "routing:213:99:const": "BPR's map back to token indices reads order[min(slot, T)] instead of "
                             "order[min(slot, T - 1)] only for empty slots (slot == T), whose value the enclosing "
                             "where replaces by T; JAX clamps the out-of-range gather, and integer indices carry no "
                             "gradient.",
@@ -231,10 +231,13 @@ EQUIVALENT: dict[str, str] = {
                           "then num_blocks * block - padded_ends[-1] >= (M - ends[-1]) + (G - 1) >= 1, so the "
                           "clipped index (the very last row) is never a real row, and its gradient multiplies "
                           "zero-padded inputs.",
-    "routing:406:57:compare": "max_violation divides by where(mean >= 0, mean, 1) instead of where(mean > 0, ...): "
+    "routing:421:57:compare": "max_violation divides by where(mean >= 0, mean, 1) instead of where(mean > 0, ...): "
                               "it differs only at mean == 0, where the outer where(mean > 0, ..., 0) returns 0 "
                               "either way; MaxVio is a logged metric, never differentiated.",
-    "layer:339:54:const": "lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,)) on [E, D, H]: Flax's fan-in is "
+    "routing:421:64:const": "max_violation divides by where(mean > 0, mean, 2.0) instead of ..., 1.0): the "
+                            "divisor is used only at mean <= 0, where the outer where(mean > 0, ..., 0) returns 0 "
+                            "either way; MaxVio is a logged metric, never differentiated.",
+    "layer:401:54:const": "lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,)) on [E, D, H]: Flax's fan-in is "
                           "the in-axis size times the receptive field, size / (in x out x batch), so it is "
                           "size / (out x batch) = D whichever non-batch axis is named in_axis: the same draws.",
 }
@@ -244,11 +247,11 @@ EQUIVALENT: dict[str, str] = {
 # layer:256:31, that compute the product of an unused block: tests/test_mutant_killers.py counts the
 # blocks computed and kills them).
 UNTESTABLE: dict[str, str] = {
-    "layer:306:14:call": "untestable on a CPU, not equivalent: megablox's row tile max(128, M) instead of "
+    "layer:316:14:call": "untestable on a CPU, not equivalent: megablox's row tile max(128, M) instead of "
                          "min(128, M) gives the same product under Pallas' interpreter (the only place CI runs "
                          "the kernel), but on a TPU a tile of all M rows must fit the vector memory, which at "
                          "the book's shapes it would not (not run: no TPU).",
-    "layer:306:27:call": "untestable on a CPU, not equivalent: megablox's contraction tile max(128, K) instead of "
+    "layer:316:27:call": "untestable on a CPU, not equivalent: megablox's contraction tile max(128, K) instead of "
                          "min(128, K), as for the row tile (not run: no TPU).",
 }
 # Notes on the survivors that are not equivalent (why no test kills them yet).
