@@ -72,6 +72,10 @@ def test_max_violation_known_values():
     np.testing.assert_allclose(routing.max_violation(jnp.array([2.0, 2.0, 2.0, 2.0])), 0.0, atol=ATOL)
     np.testing.assert_allclose(routing.max_violation(jnp.array([0.0, 0.0, 8.0, 0.0])), 3.0, rtol=RTOL)
     np.testing.assert_allclose(routing.max_violation(jnp.array([1.0, 3.0, 2.0, 2.0])), 0.5, rtol=RTOL)
+    # loads as shares (pick_load's), whose mean is below 1: the same ratios (kills routing:421:64,
+    # a divisor of 1 instead of the mean whenever the mean is at most 1)
+    np.testing.assert_allclose(routing.max_violation(jnp.array([0.0, 0.0, 0.5, 0.0])), 3.0, rtol=RTOL)
+    np.testing.assert_allclose(routing.max_violation(jnp.array([0.1, 0.3, 0.2, 0.2])), 0.5, rtol=RTOL)
     assert float(routing.max_violation(jnp.zeros(4))) == 0.0
 
 
