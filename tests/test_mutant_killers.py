@@ -573,3 +573,18 @@ def test_token_choice_makes_no_pick_whose_score_equals_min_score():
     masked = np.where(scores > 0, scores, sentinel).astype(np.float32)
     picks = allocations.TokenChoice(k=2, min_score=sentinel).picks(types.Affinities(jnp.asarray(masked)))
     assert not np.asarray(picks)[masked == np.float32(sentinel)].any()
+
+
+def test_only_the_null_aware_balance_adds_an_auxiliary_loss():
+    """LongCat-Flash balances its null experts with a bias controller, no loss: its router's
+    auxiliary loss is exactly 0, while AdaMoE's is the null-aware Switch loss it reports as a metric
+    (kills routers/null:136:62, a constant loss for the controller)."""
+    from mini_moe import routers
+
+    x = jnp.asarray(_rng(3).normal(size=(2, 12, 8)), jnp.float32)
+    longcat = routers.make_router("longcat", 8, 4, null_experts=2, k=2, deterministic=True, rngs=nnx.Rngs(0))
+    assert float(longcat(x).aux_loss) == 0.0
+    adamoe = routers.make_router("adamoe", 8, 4, null_experts=2, k=2, deterministic=True, rngs=nnx.Rngs(0))
+    out = adamoe(x)
+    assert float(out.aux_loss) > 0
+    np.testing.assert_allclose(float(out.aux_loss), float(out.metrics["null_aware_loss"]), rtol=RTOL)
