@@ -259,10 +259,11 @@ dist: venv
 	@if grep -i "warning" dist.log; then echo "python -m build printed the warnings above (full log: dist.log)" >&2; exit 1; fi
 	$(PY) -m twine check --strict dist/*
 
-# Mutation testing of routing.py, layer.py and losses.py (issue 52 §3; not part of `make test`): one
-# CPU core, a throw-away copy in /tmp/mutants-work, resumable (/tmp/mutants-results.jsonl), then the
+# Mutation testing of routing.py, layer.py, losses.py (issue 52 §3), routers/, inference.py and
+# upcycle.py (issue 66 §3); not part of `make test`: one CPU core, a throw-away copy in
+# /tmp/mutants-work, resumable (--results, committed in mini_moe/results for issue 66's run), then the
 # report mini_moe/results/mutants-cpu-2core-epyc.json. MUTANTS_ARGS: e.g. --module losses --limit 5.
-MUTANTS_ARGS ?= --sample 160
+MUTANTS_ARGS ?= --sample 240 --results mini_moe/results/mutants-run-issue66.jsonl
 mutants: venv
 	$(PY) .ci/mutants.py --resume $(MUTANTS_ARGS)
 	$(PY) .ci/mutants.py --report $(MUTANTS_ARGS)
