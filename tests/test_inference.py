@@ -204,6 +204,9 @@ def test_the_filler_attack_takes_the_victims_slots_and_per_image_groups_stop_it(
     assert np.mean(kept["attacked"]) < np.mean(kept["benign"]) - 0.1
     result = inference.filler_attack(model, victims, pool)
     assert 0 <= result["flip_interval"][0] <= result["flip_rate"] <= result["flip_interval"][1] <= 1
+    for rate, interval in (("flip_rate", "flip_interval"), ("control_rate", "control_interval"),
+                           ("benign_change", "benign_interval")):  # each interval is its own share's
+        assert result[interval] == stats.wilson(round(result[rate] * result["victims"]), result["victims"])
     assert result["victims"] == 24 and result["group_images"] == g
     # the library's own record of the mechanism: the chosen fillers take more of the victim's slots
     # than random fillers with the victim in the same (last) place, which take more than a random place

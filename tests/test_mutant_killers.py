@@ -588,3 +588,14 @@ def test_only_the_null_aware_balance_adds_an_auxiliary_loss():
     out = adamoe(x)
     assert float(out.aux_loss) > 0
     np.testing.assert_allclose(float(out.aux_loss), float(out.metrics["null_aware_loss"]), rtol=RTOL)
+
+
+def test_top_p_defaults_to_the_reference_codes_threshold():
+    """Top-p's affinity and its registered router both start at p = 0.4, the default of Huang et
+    al.'s reference code (the docstring's claim; kills routers/adaptive:147:54, the class default)."""
+    from mini_moe import routers
+    from mini_moe.routers import adaptive
+
+    assert float(adaptive.TopPGates(8, 4, rngs=nnx.Rngs(0)).threshold[...]) == pytest.approx(0.4)
+    router = routers.make_router("top_p", 8, 4, rngs=nnx.Rngs(0))
+    assert float(router.affinity.threshold[...]) == pytest.approx(0.4)
