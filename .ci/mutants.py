@@ -245,6 +245,11 @@ EQUIVALENT: dict[str, str] = {
     "routing:421:57:compare": "max_violation divides by where(mean >= 0, mean, 1) instead of where(mean > 0, ...): "
                               "it differs only at mean == 0, where the outer where(mean > 0, ..., 0) returns 0 "
                               "either way; MaxVio is a logged metric, never differentiated.",
+    "inference:207:102:const": "capacity_sweep's default batch of 401 images instead of 400: every evaluation "
+                               "batch is rounded down to whole routing groups (evaluate._padded_chunks), and 401 is "
+                               "prime, so for any group size but 1 and 401 the batches are the same; with groups "
+                               "of one image the batches hold whole groups either way. A test of the sweep's "
+                               "accuracy past the first batch passes on both (tried).",
     "layer:401:54:const": "lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,)) on [E, D, H]: Flax's fan-in is "
                           "the in-axis size times the receptive field, size / (in x out x batch), so it is "
                           "size / (out x batch) = D whichever non-batch axis is named in_axis: the same draws.",

@@ -599,3 +599,4 @@ def test_top_p_defaults_to_the_reference_codes_threshold():
     assert float(adaptive.TopPGates(8, 4, rngs=nnx.Rngs(0)).threshold[...]) == pytest.approx(0.4)
     router = routers.make_router("top_p", 8, 4, rngs=nnx.Rngs(0))
     assert float(router.affinity.threshold[...]) == pytest.approx(0.4)
+
