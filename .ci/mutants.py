@@ -250,6 +250,10 @@ EQUIVALENT: dict[str, str] = {
                                "prime, so for any group size but 1 and 401 the batches are the same; with groups "
                                "of one image the batches hold whole groups either way. A test of the sweep's "
                                "accuracy past the first batch passes on both (tried).",
+    "routers/balancing:121:30:const": "_limit_groups' shortcut for one group (num_groups == 0 instead of == 1 "
+                                      "never takes it): routing.group_limit with one group and top_groups = 1 "
+                                      "keeps every expert, so the scores are the same; only the shortcut's saved "
+                                      "work is lost.",
     "layer:401:54:const": "lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,)) on [E, D, H]: Flax's fan-in is "
                           "the in-axis size times the receptive field, size / (in x out x batch), so it is "
                           "size / (out x batch) = D whichever non-batch axis is named in_axis: the same draws.",
