@@ -688,7 +688,11 @@ def test_full_configuration_builds_and_traces_a_training_step(router):
     on one routing group; the step hands back a state of the same structure, shapes and dtypes, and
     a float32 loss. Three of them also run (the next test); that a step moves every parameter of
     every router is tests/test_routers.py's, at the quick size."""
-    cfg, model, optimizer = _full_model(router)
+    cfg = config_lib.get_config("full", dataset="cifar10", router=router, steps=2, batch_size=8)
+    assert (cfg.model.dim, cfg.model.depth, cfg.model.num_experts) == (192, 8, 16)
+    # Built abstractly too (nnx.eval_shape: shapes and dtypes, no parameter is drawn): a concrete build
+    # compiles every initialiser op by op, which took most of this test's time.
+    model, optimizer = nnx.eval_shape(lambda: (lambda m: (m, train.make_optimizer(m, cfg)))(train.make_model(cfg)))
     graphdef, state = nnx.split((model, optimizer))
 
     def step(state, images, labels):
