@@ -130,7 +130,9 @@ ROUTERS_CORE = [
     "tests/test_routers.py::test_per_image_is_decided_by_the_allocation_alone",
 ]
 SUITE.update({
-    "routers/affinities": ROUTERS_CORE + ["tests/test_raw_key.py::test_every_path_and_mode_routes_by_the_raw_patch"],
+    "routers/affinities": ROUTERS_CORE + ["tests/test_raw_key.py::test_every_path_and_mode_routes_by_the_raw_patch",
+                                          # the base class's facts (routers/affinities:40:21, :41:21 survived without it)
+                                          "tests/test_mutant_killers.py::test_the_affinities_facts_follow_their_scores"],
     "routers/allocations": ROUTERS_CORE + [
         "tests/test_top_p.py::test_with_tight_buffers_the_picks_follow_algorithm_1",
         "tests/test_null_experts.py::test_token_choice_with_null_experts_equals_loops",
@@ -156,6 +158,8 @@ SUITE.update({
         "tests/test_remoe.py::test_gates_are_relu_and_the_combine_weights",
         # the bias under gradient accumulation (routers/balancing:108:11 survived without it)
         "tests/test_grad_accum.py::test_the_bias_moves_once_per_step_not_once_per_micro_batch",
+        # ReMoE's model-level controller in eval mode (routers/balancing:265:85 survived without it)
+        "tests/test_mutant_killers.py::test_remoes_model_lambda_moves_only_in_training_mode",
     ],
     "routers/adaptive": ROUTERS_CORE + [
         "tests/test_top_p.py::test_bad_options_name_the_argument",
@@ -189,6 +193,8 @@ SUITE.update({
         "tests/test_routing_controls.py::test_study_variants_set_exactly_their_options",
         "tests/test_routing_controls.py::test_token_choice_without_noise_and_loss_changes_exactly_those",
         "tests/test_routing_controls.py::test_the_hash_router_is_balanced_on_random_tokens_deterministic_and_learns_nothing",
+        # the BLIND key's default bin width (routers/controls:156:111 survived without it)
+        "tests/test_mutant_killers.py::test_the_blind_keys_bins_are_half_a_standard_deviation_wide",
     ],
     "routers/papers": ROUTERS_CORE,
     "routers/stateful": ROUTERS_CORE + [
@@ -254,6 +260,15 @@ EQUIVALENT: dict[str, str] = {
                                       "never takes it): routing.group_limit with one group and top_groups = 1 "
                                       "keeps every expert, so the scores are the same; only the shortcut's saved "
                                       "work is lost.",
+    "routers/balancing:256:55:nostopgrad": "ReMoE's penalty lambda * P without stop_gradient on lambda: lambda is "
+                                           "an L1Weight, not an nnx.Param, and every gradient the library takes "
+                                           "is with respect to the Params (train.train_step, nnx.Optimizer(wrt="
+                                           "nnx.Param)), so no gradient reaches it either way.",
+    "routers/balancing:135:38:compare": "the loss-free bias steps when bias_rate >= 0 instead of > 0: at bias_rate "
+                                        "== 0 the step adds 0 * sign(...) = +-0.0 to each bias, which leaves every "
+                                        "value as it was (the bias is a state, never differentiated).",
+    "losses:150:36:nostopgrad": "the null-aware Switch loss without stop_gradient on f: f is a one-hot of integer "
+                                "top-k indices, averaged and pooled linearly, so it carries no gradient anyway.",
     "layer:401:54:const": "lecun_normal(in_axis=-1, out_axis=-1, batch_axis=(0,)) on [E, D, H]: Flax's fan-in is "
                           "the in-axis size times the receptive field, size / (in x out x batch), so it is "
                           "size / (out x batch) = D whichever non-batch axis is named in_axis: the same draws.",

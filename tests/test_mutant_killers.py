@@ -600,3 +600,64 @@ def test_top_p_defaults_to_the_reference_codes_threshold():
     router = routers.make_router("top_p", 8, 4, rngs=nnx.Rngs(0))
     assert float(router.affinity.threshold[...]) == pytest.approx(0.4)
 
+
+
+def test_the_affinities_facts_follow_their_scores():
+    """The facts an affinity declares (its class's docstring) against what each registered
+    router computes: ``softmax_choice`` exactly for the two routers whose scores are a softmax over
+    the experts that they route by (V-MoE's Token Choice, Expert Choice), where ``probs`` is that
+    softmax of the logits; ``balances_group`` exactly for the transport plans (the Sinkhorn routers,
+    SV-MoE's quadratic plan), whose scores balance the group's load. Every other affinity keeps the
+    base class's ``False`` (kills routers/affinities:40:21 and :41:21, the defaults)."""
+    from mini_moe import routers
+
+    x = jnp.asarray(_rng(5).normal(size=(2, 12, 8)), jnp.float32)
+    softmax = {"softmax_token_choice", "softmax_expert_choice"}
+    plans = {"sinkhorn_token_choice", "sinkhorn_expert_choice", "svmoe"}
+    for name, spec in sorted(routers.ROUTERS.items()):
+        if spec.data is not None:  # raw_oracle reads a data set's signatures
+            continue
+        router = routers.make_router(name, 8, 4, rngs=nnx.Rngs(0))
+        router.eval()  # no noise: probs is the softmax itself
+        affinity = router.affinity
+        assert getattr(affinity, "softmax_choice", False) == (name in softmax), name
+        assert getattr(affinity, "balances_group", False) == (name in plans), name
+        if name in softmax:
+            np.testing.assert_allclose(np.asarray(affinity(x, routers.Budget(k=1, capacity=12)).probs),
+                                       np.asarray(jax.nn.softmax(affinity.logits(x), axis=-1)), rtol=RTOL, atol=ATOL)
+
+
+def test_remoes_model_lambda_moves_only_in_training_mode():
+    """ReMoE's model-level controller moves the lambda of every ReLU router in training mode and
+    leaves a router in eval mode (``deterministic``) alone, whatever the sparsity (kills
+    routers/balancing:265:85, which moved the eval-mode routers instead)."""
+    from mini_moe.routers import balancing
+
+    training = balancing.ReluGates(8, 4, target_k=1, l1_init=1e-3, deterministic=False, rngs=nnx.Rngs(0))
+    frozen = balancing.ReluGates(8, 4, target_k=1, l1_init=1e-3, deterministic=True, rngs=nnx.Rngs(1))
+    dense = jnp.asarray(0.0)  # no zero gate: below the target sparsity 1 - 1/4, so lambda grows by the rate
+    balancing.update_l1_weights([training, frozen], [dense, dense])
+    assert float(training.l1_weight[...]) == pytest.approx(1e-3 * 1.2, rel=RTOL)
+    assert float(frozen.l1_weight[...]) == pytest.approx(1e-3, rel=RTOL)
+
+
+def test_the_blind_keys_bins_are_half_a_standard_deviation_wide():
+    """The BLIND raw key quantises each standardised pixel into bins of 0.5 standard deviations
+    (its docstring, and the bin width chapter 8's registered study ran with): patches whose pixels
+    share every such bin get one hash, and a pixel moved to the next half-unit bin changes it (kills
+    routers/controls:156:111, a default of 1.0)."""
+    from mini_moe.routers import controls
+
+    blind = controls.RawKey(6, 4, key="blind", rngs=nnx.Rngs(0))
+    base = jnp.asarray(_rng(6).normal(size=(6,)), jnp.float32)
+    bins = np.floor(np.asarray(base) / 0.5)
+    inside = jnp.asarray((bins + 0.25) * 0.5, jnp.float32)  # the same half-unit bins, other values
+    nxt = inside.at[0].add(0.5)  # pixel 0 one bin up (a 1.0-wide bin may still hold it)
+    scores = np.asarray(blind.logits(jnp.stack([base, inside, nxt])[None]))[0]
+    np.testing.assert_array_equal(scores[0], scores[1])
+    assert not np.array_equal(scores[1], scores[2])
+    # the same move inside one 1.0-wide bin, to show the test sees the width: bins of 1.0 would not change
+    wide = controls.RawKey(6, 4, key="blind", bin_width=1.0, rngs=nnx.Rngs(0))
+    lower = jnp.asarray((np.floor(np.asarray(base) / 1.0) + 0.1) * 1.0, jnp.float32)
+    wide_scores = np.asarray(wide.logits(jnp.stack([lower, lower.at[0].add(0.5)])[None]))[0]
+    np.testing.assert_array_equal(wide_scores[0], wide_scores[1])
