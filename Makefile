@@ -124,9 +124,10 @@ unit: venv data
 # pyproject.toml's `>=` into `==`, jaxlib = jax, and refuses an import of mini_moe that pyproject
 # does not declare); the test tools resolve around the floors in that same call. mini_moe itself
 # follows without dependencies (pip install --no-deps -e .), so that the first step writes nothing
-# in the source tree: .ci/run starts `make floors-deps` in the background while `make test` runs
-# (its `make dist` builds in the tree). Then the unit tests on all cores (pytest-xdist: 1.6x faster
-# on 2 cores); .ci/run runs them at XLA's optimisation level 0 with its older emitters.
+# in the source tree; the editable install writes mini_moe.egg-info there, as `make dist` does, so
+# .ci/run (which runs this target beside `make test` at the lowest CPU priority) starts it only after
+# `make dist`'s wheel exists. Then the unit tests on all cores (pytest-xdist: 1.6x faster on 2
+# cores); .ci/run runs them at XLA's optimisation level 0 with its older emitters.
 # The venv is made again from scratch whenever pyproject.toml or .ci/floors.py changes.
 FLOORS_VENV ?= .venv-floors
 FLOORS_PY := $(FLOORS_VENV)/bin/python
