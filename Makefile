@@ -264,7 +264,8 @@ dist: venv
 # upcycle.py (issue 66 §3); not part of `make test`: one CPU core, a throw-away copy in
 # /tmp/mutants-work, resumable (--results, committed in mini_moe/results for issue 66's run), then the
 # report mini_moe/results/mutants-cpu-2core-epyc.json. MUTANTS_ARGS: e.g. --module losses --limit 5.
-MUTANTS_ARGS ?= --sample 240 --results mini_moe/results/mutants-run-issue66.jsonl
+MUTANTS_ARGS ?= --sample 240 --results mini_moe/results/mutants-run-issue66.jsonl \
+	--out mini_moe/results/mutants-issue66-cpu-2core-epyc.json
 mutants: venv
 	$(PY) .ci/mutants.py --resume $(MUTANTS_ARGS)
 	$(PY) .ci/mutants.py --report $(MUTANTS_ARGS)
