@@ -661,3 +661,103 @@ def test_the_blind_keys_bins_are_half_a_standard_deviation_wide():
     lower = jnp.asarray((np.floor(np.asarray(base) / 1.0) + 0.1) * 1.0, jnp.float32)
     wide_scores = np.asarray(wide.logits(jnp.stack([lower, lower.at[0].add(0.5)])[None]))[0]
     np.testing.assert_array_equal(wide_scores[0], wide_scores[1])
+
+
+def _np_fmix32(h):
+    """MurmurHash3's 32-bit finaliser (Appleby's reference, ``fmix32``) on uint32 arrays."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def test_the_blind_key_is_a_murmur_finalised_hash_of_the_bins():
+    """The BLIND key of a patch, rebuilt in NumPy from its docstring: the pixels' bins of 0.5 SD,
+    a sum of odd multipliers per expert modulo 2**32 plus an offset, MurmurHash3's finaliser, and
+    the top 24 bits as a score in [0, 1) (kills routers/controls:186:23, a shift of 14 for 13)."""
+    from mini_moe.routers import controls
+
+    blind = controls.RawKey(6, 4, key="blind", rngs=nnx.Rngs(3))
+    x = _rng(8).normal(size=(2, 5, 6)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        bins = np.floor(x / np.float32(0.5)).astype(np.int32).astype(np.uint32)
+        h = (bins[..., None] * np.asarray(blind.multipliers[...])).sum(-2, dtype=np.uint32) + np.asarray(blind.offsets[...])
+        expected = (_np_fmix32(h) >> np.uint32(8)).astype(np.float32) * np.float32(2.0**-24)
+    np.testing.assert_array_equal(np.asarray(blind.logits(jnp.asarray(x))), expected)
+
+
+def test_remoes_model_lambda_moves_by_the_mean_sparsity_of_its_layers():
+    """ReMoE's model-level lambda moves by the sparsity *averaged* over the layers: two layers at
+    0.5 and 0.6 zero gates are below the target 0.75 (k = 1 of E = 4), so lambda grows, though
+    their sum (1.1) is above it (kills routers/balancing:268:11, the sum for the mean)."""
+    from mini_moe.routers import balancing
+
+    gates = [balancing.ReluGates(8, 4, target_k=1, l1_init=1e-3, rngs=nnx.Rngs(i)) for i in range(2)]
+    balancing.update_l1_weights(gates, [jnp.asarray(0.5), jnp.asarray(0.6)])
+    assert all(float(g.l1_weight[...]) == pytest.approx(1e-3 * 1.2, rel=RTOL) for g in gates)
+
+
+def test_remoes_probabilities_are_the_gates_normalised_per_token():
+    """ReMoE's ``probs`` (what diagnose and inference read) are each token's ReLU gates divided by
+    their sum, and uniform where every gate is 0 (kills routers/balancing:253:17, the mean for the
+    sum)."""
+    from mini_moe.routers import balancing
+
+    relu = balancing.ReluGates(8, 4, rngs=nnx.Rngs(0), deterministic=True)
+    x = jnp.asarray(_rng(9).normal(size=(2, 12, 8)), jnp.float32)
+    from mini_moe import routers
+
+    out = relu(x, routers.Budget(k=4, capacity=12))
+    gates = np.maximum(np.asarray(relu.logits(x), np.float64), 0)
+    totals = gates.sum(-1, keepdims=True)
+    expected = np.where(totals > 0, gates / np.where(totals > 0, totals, 1), 0.25)
+    np.testing.assert_allclose(np.asarray(out.probs), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_the_loss_free_bias_spread_is_the_range_of_the_bias():
+    """DeepSeek-V3's router reports ``bias_spread``, the largest bias minus the smallest (kills
+    routers/balancing:145:92, max - max)."""
+    from mini_moe import routers
+
+    router = routers.make_router("sigmoid_loss_free", 8, 4, k=1, rngs=nnx.Rngs(0))
+    bias = jnp.asarray([0.3, -0.2, 0.05, 0.1], jnp.float32)
+    router.affinity.bias[...] = bias
+    router.eval()
+    out = router(jnp.asarray(_rng(10).normal(size=(2, 12, 8)), jnp.float32))
+    assert float(out.metrics["bias_spread"]) == pytest.approx(0.5, rel=RTOL)
+
+
+def test_longcats_controller_steps_under_gradient_accumulation_and_adamoes_bias_never_moves():
+    """Under gradient accumulation a null-expert router's bias moves once per step from the summed
+    picks, and only with the controller (LongCat-Flash); AdaMoE's null-aware loss has no bias to
+    move (kills routers/null:117:11, the condition inverted)."""
+    from mini_moe import routers
+
+    load = jnp.asarray([10.0, 2.0, 2.0, 2.0, 4.0, 4.0])  # 4 real experts, 2 null ones: expert 0 overloaded
+    metrics = [{"pick_load": load / 2, "tokens": jnp.asarray(6.0)}] * 2
+    longcat = routers.make_router("longcat", 8, 4, null_experts=2, k=2, rngs=nnx.Rngs(0)).affinity
+    longcat.deferred_update(metrics)
+    bias = np.asarray(longcat.bias[...])
+    assert bias[0] < 0 < bias[1] and np.all(bias[4:] == 0)
+    adamoe = routers.make_router("adamoe", 8, 4, null_experts=2, k=2, rngs=nnx.Rngs(0)).affinity
+    adamoe.deferred_update(metrics)
+    assert np.all(np.asarray(adamoe.bias[...]) == 0)
+
+
+def test_renormalised_combine_weights_have_finite_gradients_for_a_dropped_token():
+    """Upcycling's renormalised combine (Komatsuzaki et al. 2023, Sec. 2.2) keeps a token that no
+    slot holds at weight 0 with a finite gradient with respect to the combine weights (kills
+    upcycle:119:49, whose inner guard let 1 / 0 into the backward pass: NaN)."""
+    from mini_moe import upcycle
+
+    rt = routing.token_choice(jax.nn.softmax(jnp.asarray(_rng(11).normal(size=(1, 6, 3)), jnp.float32)), k=1, capacity=1)
+    dense = routing.Routing(rt.dispatch, rt.combine, sparse=rt.sparse)  # 3 slots for 6 tokens: drops
+    assert (np.asarray(dense.combine).sum((-2, -1)) == 0).any()  # a dropped token
+    weights = jnp.arange(18.0).reshape(1, 6, 3, 1)
+
+    def total(combine):
+        return jnp.sum(upcycle.renormalize_combine(routing.Routing(dense.dispatch, combine, sparse=dense.sparse)).combine
+                       * weights)
+
+    assert np.all(np.isfinite(np.asarray(jax.grad(total)(dense.combine))))
