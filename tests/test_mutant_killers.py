@@ -761,3 +761,87 @@ def test_renormalised_combine_weights_have_finite_gradients_for_a_dropped_token(
                        * weights)
 
     assert np.all(np.isfinite(np.asarray(jax.grad(total)(dense.combine))))
+
+
+def test_v_moes_default_noise_has_standard_deviation_one_over_e():
+    """V-MoE's training noise on the router logits has standard deviation 1/E (paper 000, Sec. 2.1;
+    the registered router's default ``noise_std=1``): measured on 16,384 logits, whose sample
+    standard deviation is within about 1 % of the true one, so 10 % is a wide margin (kills
+    routers/affinities:94:54, a default of 2 in the class)."""
+    from mini_moe import routers
+    from mini_moe.routers import affinities
+
+    for affinity in (routers.make_router("softmax_token_choice", 8, 4, rngs=nnx.Rngs(0)).affinity,
+                     affinities.NoisySoftmax(8, 4, rngs=nnx.Rngs(0))):  # the registry's default and the class's
+        _check_noise_std(affinity, routers.Budget(k=1, capacity=4096))
+
+
+def _check_noise_std(affinity, budget):
+    """The standard deviation of the noise ``affinity`` adds to its logits, against 1/E = 1/4."""
+    x = jnp.asarray(_rng(12).normal(size=(1, 4096, 8)), jnp.float32)
+    noisy = np.log(np.asarray(affinity(x, budget).probs, np.float64))
+    clean = np.asarray(affinity.logits(x), np.float64)
+    noise = (noisy - noisy.mean(-1, keepdims=True)) - (clean - clean.mean(-1, keepdims=True))  # softmax drops a shift
+    # centring over the E = 4 columns scales the noise's standard deviation by sqrt(1 - 1/E)
+    assert np.std(noise) / np.sqrt(1 - 1 / 4) == pytest.approx(1 / 4, rel=0.1)
+
+
+def test_the_registered_routers_route_in_training_mode_in_group_order_by_default():
+    """A router from the registry starts in training mode (a balancing bias moves on its first
+    call) and ranks a group's tokens in their order, not by Batch Prioritized Routing, which V-MoE
+    adds as an option (kills routers/papers:48:100 and :47:81, group-limited routing's
+    ``deterministic`` and ``batch_priority`` defaults)."""
+    from mini_moe import routers
+
+    x = jnp.asarray(_rng(13).normal(size=(2, 12, 8)), jnp.float32)
+    for name, spec in sorted(routers.ROUTERS.items()):
+        if spec.data is not None:
+            continue
+        router = routers.make_router(name, 8, 4, rngs=nnx.Rngs(0))
+        assert not getattr(router.allocation, "batch_priority", False), name
+        if getattr(router.affinity, "bias_moves", False):
+            before = np.asarray(router.affinity.bias[...]).copy()
+            router(x)
+            assert not np.array_equal(np.asarray(router.affinity.bias[...]), before), name
+
+
+def test_the_null_expert_routers_keep_the_null_picks_weights_by_default():
+    """AdaMoE and LongCat-Flash keep each pick's softmax probability as its weight, null picks
+    included (``renormalize=False``): the real picks' weights of a token sum to less than 1 where
+    it also picked a null expert (kills routers/null:159:46, LongCat's default)."""
+    from mini_moe import routers
+
+    x = jnp.asarray(_rng(14).normal(size=(2, 16, 8)), jnp.float32)
+    for name in ("adamoe", "longcat"):
+        router = routers.make_router(name, 8, 4, null_experts=4, k=2, capacity_factor=8.0, rngs=nnx.Rngs(0))
+        router.eval()
+        out = router(x)
+        real = np.asarray(out.routing.combine).sum((-2, -1))
+        null = np.asarray(out.null_gates).sum(-1)
+        some_null = null > 0
+        assert some_null.any(), name
+        np.testing.assert_array_less(real[some_null], 1 - 1e-3)
+
+
+def test_the_dropless_bound_on_picks_is_the_bound_per_token_times_the_tokens():
+    """``TokenChoice(pick_bound=b).max_picks(T)`` is ceil(b T), the static room the dropless path
+    keeps for a call of T tokens (kills routers/allocations:94:62, b / T)."""
+    from mini_moe import routers
+
+    allocation = routers.TokenChoice(4, None, pick_bound=1.5, min_score=0.0)
+    assert allocation.max_picks(100) == 150 and allocation.max_picks(7) == 11
+    assert routers.TokenChoice(4, None).max_picks(100) is None
+
+
+def test_the_real_and_null_picks_per_token_count_the_picks_by_column():
+    """A null-expert router's ``real_picks`` and ``null_picks`` are the picks per token in the real
+    and the null columns, counted from the picks it reports (kills routers/registry:84:54, which
+    left the last real expert out)."""
+    from mini_moe import routers
+
+    router = routers.make_router("adamoe", 8, 4, null_experts=2, k=2, rngs=nnx.Rngs(0))
+    router.eval()
+    out = router(jnp.asarray(_rng(15).normal(size=(3, 10, 8)), jnp.float32))
+    picks = np.asarray(out.picks).reshape(-1, 6)
+    assert float(out.metrics["real_picks"]) == pytest.approx(picks[:, :4].sum() / 30, rel=RTOL)
+    assert float(out.metrics["null_picks"]) == pytest.approx(picks[:, 4:].sum() / 30, rel=RTOL)
