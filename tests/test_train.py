@@ -670,11 +670,18 @@ def test_a_variable_pick_router_registered_outside_the_package_runs_everywhere(v
     assert view["experts_per_patch"].max() == layer["picks"][1].max()
 
 
-def _full_model(router):
+def _full_model(router, *, abstract=False):
+    """The full configuration's model and optimizer; ``abstract``: built by ``nnx.eval_shape`` (shapes
+    and dtypes, no parameter drawn: a concrete build compiles every initialiser op by op)."""
     cfg = config_lib.get_config("full", dataset="cifar10", router=router, steps=2, batch_size=8)
     assert (cfg.model.dim, cfg.model.depth, cfg.model.num_experts) == (192, 8, 16)
-    model = train.make_model(cfg)
-    return cfg, model, train.make_optimizer(model, cfg)
+
+    def build():
+        model = train.make_model(cfg)
+        return model, train.make_optimizer(model, cfg)
+
+    model, optimizer = nnx.eval_shape(build) if abstract else build()
+    return cfg, model, optimizer
 
 
 FULL_BATCH = (jax.random.normal(jax.random.key(0), (8, 32, 32, 3)), jnp.arange(8) % 10)
@@ -688,11 +695,7 @@ def test_full_configuration_builds_and_traces_a_training_step(router):
     on one routing group; the step hands back a state of the same structure, shapes and dtypes, and
     a float32 loss. Three of them also run (the next test); that a step moves every parameter of
     every router is tests/test_routers.py's, at the quick size."""
-    cfg = config_lib.get_config("full", dataset="cifar10", router=router, steps=2, batch_size=8)
-    assert (cfg.model.dim, cfg.model.depth, cfg.model.num_experts) == (192, 8, 16)
-    # Built abstractly too (nnx.eval_shape: shapes and dtypes, no parameter is drawn): a concrete build
-    # compiles every initialiser op by op, which took most of this test's time.
-    model, optimizer = nnx.eval_shape(lambda: (lambda m: (m, train.make_optimizer(m, cfg)))(train.make_model(cfg)))
+    cfg, model, optimizer = _full_model(router, abstract=True)
     graphdef, state = nnx.split((model, optimizer))
 
     def step(state, images, labels):
