@@ -31,7 +31,7 @@ from pathlib import Path
 import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
-ROLE = re.compile(r"\{(glue:text|glue:|glue|cite:p|cite:t)\}`([^`]*)`")
+ROLE = re.compile(r"\{(glue:text|glue:|glue|cite:p|cite:t|cite)\}`([^`]*)`")  # {cite} reads as {cite:p}
 
 
 class Latex(str):

@@ -24,13 +24,13 @@ def test_an_executed_notebook_becomes_a_colab_notebook():
     code.outputs = [_glue_output("acc", "0.91234"), _glue_output("seeds", "8"), _glue_output("verdict", "'no `detectable` difference'")]
     code.execution_count = 3
     text = ("Accuracy {glue:text}`acc:.1%` over {glue:text}`seeds:d` seeds: {glue:text}`verdict`, as "
-            "{cite:t}`liu2024routers` found {cite:p}`zhou2022expert, liu2024routers`.\n\n"
+            "{cite:t}`liu2024routers` found {cite:p}`zhou2022expert, liu2024routers` {cite}`liu2024routers`.\n\n"
             "```{math}\n:label: eq-x\nE \\sum_i f_i P_i\n```")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text), code])
     out = colab.colab_notebook(nb, colab.bibliography(ROOT / "references.bib"), "a note")
     assert out.cells[0].source == "a note"
     assert out.cells[1].source == ("Accuracy 91.2% over 8 seeds: no `detectable` difference, as Liu et al. (2024) "
-                                   "found (Zhou et al., 2022; Liu et al., 2024).\n\n$$\nE \\sum_i f_i P_i\n$$")
+                                   "found (Zhou et al., 2022; Liu et al., 2024) (Liu et al., 2024).\n\n$$\nE \\sum_i f_i P_i\n$$")
     assert out.cells[2].outputs == [] and out.cells[2].execution_count is None
     assert nb.cells[1].outputs  # the input notebook is not modified
 
