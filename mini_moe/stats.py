@@ -6,6 +6,7 @@ binomial share's interval), :func:`mcnemar` (the exact test of paired binary out
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 
@@ -106,6 +107,18 @@ def bootstrap_mean(values, *, resamples: int = 2000, level: float = 0.95, seed: 
     return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
 
 
+@functools.lru_cache(maxsize=2)
+def _resample_weights(rows: int, cols: int, resamples: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Resampling as weights: each resample's row and column counts divided by the draws, ``[B, S]``
+    and ``[B, N]``. They depend on the shape and the seed only, so a page that takes many intervals
+    of tables of one shape draws them once (read-only, shared by the calls)."""
+    rng = np.random.default_rng(seed)
+    row_w = np.stack([np.bincount(r, minlength=rows) for r in rng.integers(0, rows, (resamples, rows))]) / rows
+    col_w = np.stack([np.bincount(c, minlength=cols) for c in rng.integers(0, cols, (resamples, cols))]) / cols
+    row_w.flags.writeable = col_w.flags.writeable = False
+    return row_w, col_w
+
+
 def crossed_bootstrap(values, *, resamples: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
     """Percentile bootstrap interval of the grand mean of ``values [S, N]``, whose rows and columns
     are two crossed random factors (seeds and test images: every seed's model sees the same
@@ -115,11 +128,7 @@ def crossed_bootstrap(values, *, resamples: int = 2000, level: float = 0.95, see
     values = np.asarray(values, np.float64)
     if values.ndim != 2 or min(values.shape) < 2:
         raise InputError(f"values must be a table [seeds, images] with at least 2 of each, got shape {values.shape}.")
-    rng = np.random.default_rng(seed)
-    rows, cols = values.shape
-    # Resampling as weights: row and column counts of each resample, divided by the draws.
-    row_w = np.stack([np.bincount(r, minlength=rows) for r in rng.integers(0, rows, (resamples, rows))]) / rows
-    col_w = np.stack([np.bincount(c, minlength=cols) for c in rng.integers(0, cols, (resamples, cols))]) / cols
+    row_w, col_w = _resample_weights(*values.shape, resamples, seed)
     means = np.einsum("bs,sb->b", row_w, values @ col_w.T)
     tail = (1 - level) / 2
     return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))

@@ -60,6 +60,28 @@ def test_the_family_is_paired_t_with_holm_over_eight():
     assert table["patch_vote", "retrained", 4, 2] == 0.5 and table["fashion_mnist", "none", 0, 5] == 0.9
 
 
+def test_the_secondary_contrasts_are_the_registered_ones_unadjusted():
+    """The registration's secondary list: the four at 25 % and 75 %, and retrained, gate and EAN
+    against REAP at 50 %, each Student's paired t over its seeds (scipy), with no Holm."""
+    rng = np.random.default_rng(1)
+    acc = {(d, a, r, s): rng.uniform(0.5, 0.9) for d in ("patch_vote", "fashion_mnist")
+           for a in cs.PRUNE + cs.MERGE + ("none",) for r in (0, 2, 4, 6) for s in range(1, 6)}
+    record = _record(lambda d, a, r, s: acc[d, a, r, s])
+    record["plan"]["removed"] = [2, 4, 6]
+    rows = cs.secondary(record)
+    got = {(r["dataset"], r["removed"], *r["arms"]) for r in rows}
+    want = {(d, r, a, b) for d in ("patch_vote", "fashion_mnist") for r in (2, 6) for _, a, b in cs.FAMILY}
+    want |= {(d, 4, a, "reap") for d in ("patch_vote", "fashion_mnist") for a in ("retrained", "gate", "ean")}
+    assert got == want and len(rows) == len(want)
+    for row in rows:
+        (first, second), d = row["arms"], row["dataset"]
+        one = lambda arm, s: 0.5 if arm == "retrained" else acc[d, arm, row["removed"], s]
+        diffs = [100 * (one(first, s) - one(second, s)) for s in range(1, 6)]
+        assert row["seeds"] == [1, 2, 3, 4, 5] and "p_holm" not in row
+        assert np.isclose(row["difference"], np.mean(diffs))
+        assert np.isclose(row["p_value"], stats.ttest_rel(diffs, np.zeros(5)).pvalue)
+
+
 def test_a_seed_missing_an_arm_leaves_that_datasets_family_and_a_failed_cell_is_skipped():
     out = cs.analyse(_record(lambda d, a, r, s: 0.5 + 0.01 * s + (0.02 if a == "reap" else 0),
                              drop={("patch_vote", "hc_smoe", 2)}))

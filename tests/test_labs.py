@@ -215,6 +215,16 @@ MUTANTS = {
         lambda expert, num_experts: (jnp.argsort(expert, stable=True),
                                      jnp.cumsum(jnp.bincount(expert, length=num_experts))),  # offsets, not sizes
     ],
+    "ch20.reap_saliency": [
+        lambda gates, routed, outputs: _reap(gates, routed, outputs, gate=False),  # forgets the gate (EAN)
+        lambda gates, routed, outputs: _reap(gates, routed, outputs, over="all"),  # the mean over all tokens
+        lambda gates, routed, outputs: _reap(gates, routed, outputs, squared=True),  # the squared norm
+        lambda gates, routed, outputs: _reap(gates, routed, outputs, norm=1),  # the L1 norm
+        lambda gates, routed, outputs: _reap(gates, routed, outputs, total=True),  # the sum, not the mean
+        lambda gates, routed, outputs: _reap(gates, routed, outputs, product_of_means=True),  # mean gate x mean norm
+        lambda gates, routed, outputs: _reap(gates, routed, outputs, axis=1),  # the norm across experts
+        lambda gates, routed, outputs: _reap(gates, routed, outputs, guard=False),  # 0 / 0 for an unused expert
+    ],
 }
 
 
@@ -256,6 +266,21 @@ def _drop_upcycle(w1, b1, w2, b2, chosen, noise_w1, noise_b1, noise_w2, *, ddof=
     if out_bias:  # every expert's b2 re-drawn where its unit 0 is chosen, from b2's statistics
         out["b2"] = np.where(chosen[:, :1, None], b2.mean() + b2.std() * noise_b1[:, :, :1], out["b2"])
     return out["w1"], out["b1"], out["w2"], out["b2"]
+
+
+def _reap(gates, routed, outputs, *, gate=True, over="routed", norm=2, axis=-1, squared=False, total=False,
+          product_of_means=False, guard=True):
+    g, r, o = np.asarray(gates, np.float64), np.asarray(routed, float), np.asarray(outputs, np.float64)
+    n = np.linalg.norm(o, ord=norm, axis=axis) if axis == -1 else np.linalg.norm(o, axis=1)[:, None].repeat(r.shape[1], 1)
+    n = n ** 2 if squared else n
+    if product_of_means:
+        count = np.maximum(r.sum(0), 1)
+        return (r * g).sum(0) / count * (r * n).sum(0) / count
+    contribution = r * (g * n if gate else n)
+    if total:
+        return contribution.sum(0)
+    count = r.sum(0)
+    return contribution.sum(0) / (len(r) if over == "all" else np.maximum(count, 1) if guard else count)
 
 
 def _top_p(probs, threshold, *, before="exclusive", strict=True, rank=True, ties="lower", search=False, scatter=True):

@@ -520,3 +520,60 @@ register(Lab(
 ))
 
 
+def _reap_reference(gates, routed, outputs):
+    """The library's REAP saliency (:func:`mini_moe.compress.saliency`, ``"reap"``)."""
+    from mini_moe import compress  # here, not at the top: compress imports the model
+
+    m, e = np.shape(routed)
+    record = compress.LayerRecord(inputs=np.zeros((m, 1)), logits=np.zeros((m, e)), probs=np.zeros((m, e)),
+                                  gates=np.asarray(gates), routed=np.asarray(routed, bool), outputs=np.asarray(outputs))
+    return compress.saliency(record, "reap")
+
+
+def _reap_cases(rng):
+    """Calibration records of one layer: M tokens, E experts, outputs of width D; a token's gates
+    are zero where it was not routed (as :func:`mini_moe.compress.calibrate` records them)."""
+    def case(label, m, e, d, k=1, routed=None, outputs=None, scale=1.0):
+        logits = rng.normal(size=(m, e)) * 2
+        probs = _softmax(logits)
+        if routed is None:
+            top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+            routed = np.zeros((m, e), bool)
+            np.put_along_axis(routed, top, True, axis=-1)
+        outputs = (rng.normal(size=(m, e, d)) * scale).astype(np.float32) if outputs is None else outputs
+        return label, {"gates": np.where(routed, probs, 0).astype(np.float32), "routed": np.asarray(routed, bool),
+                       "outputs": np.asarray(outputs, np.float32)}
+
+    unused = np.zeros((5, 3), bool)
+    unused[:, 0] = True
+    unequal = np.zeros((6, 2), bool)
+    unequal[:5, 0] = True
+    unequal[5, 1] = True
+    cases = [case("one token, one expert", 1, 1, 3),
+             case("an expert no token reached", 5, 3, 4, routed=unused),
+             case("one expert gets five tokens, the other one", 6, 2, 3, routed=unequal),
+             case("width 1 (the norm is an absolute value)", 6, 3, 1),
+             case("k = 2", 8, 4, 5, k=2),
+             case("outputs of zero", 4, 3, 2, outputs=np.zeros((4, 3, 2))),
+             case("large outputs", 6, 3, 4, scale=1e4)]
+    return cases + [case(f"random {i}", int(rng.integers(2, 40)), int(rng.integers(2, 9)), int(rng.integers(1, 9)),
+                         k=int(rng.integers(1, 3))) for i in range(6)]
+
+
+register(Lab(
+    name="ch20.reap_saliency",
+    axes=(("expert",),),
+    signature="(gates, routed, outputs)",
+    doc="REAP's saliency of each expert (Lasby et al. 2025; chapter 20): gates [M, E] (the combine weight of "
+        "expert e's output in token t's output, 0 where e did not process t), routed bool [M, E] (which tokens "
+        "each expert processed), outputs [M, E, D] (every expert's output on every token) -> scores [E]: for each "
+        "expert, the mean over the tokens it processed of its gate times the Euclidean norm of its output; "
+        "0 for an expert that processed no token.",
+    reference=_reap_reference,
+    cases=_reap_cases,
+    properties=(("a negative score", lambda kw, out: bool(np.all(np.asarray(out) >= 0))),
+                ("a nonzero score for an expert that processed no token",
+                 lambda kw, out: bool(np.all(np.where(np.asarray(kw["routed"]).any(0), 0, np.asarray(out)) == 0)))),
+    hint="chapter 20, 'What pruning does to eq. (2)': over which tokens does REAP average, and which norm of "
+         "which output does it weight by the gate?",
+))

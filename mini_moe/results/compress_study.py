@@ -248,6 +248,26 @@ def analyse(record: dict) -> dict:
     return {"removed": plan["primary"], "alpha": ALPHA, "contrasts": rows}
 
 
+def secondary(record: dict) -> list[dict]:
+    """The registration's descriptive contrasts, not adjusted: the family's four at every other
+    compression, and at the primary ``retrained - reap``, ``gate - reap`` and ``ean - reap``; each
+    the mean paired difference in points over the seeds where both arms finished, with Student's t
+    (:func:`mini_moe.stats.paired_t`)."""
+    plan = record["plan"]
+    table = accuracy_table(record)
+    pairs = [(removed, first, second) for removed in plan["removed"] if removed != plan["primary"]
+             for _, first, second in FAMILY]
+    pairs += [(plan["primary"], first, "reap") for first in ("retrained", "gate", "ean")]
+    rows = []
+    for dataset in plan["datasets"]:
+        for removed, first, second in pairs:
+            seeds = [s for s in plan["seeds"] if (dataset, first, removed, s) in table and (dataset, second, removed, s) in table]
+            diffs = [100 * (table[dataset, first, removed, s] - table[dataset, second, removed, s]) for s in seeds]
+            rows.append({"dataset": dataset, "removed": removed, "arms": [first, second], "seeds": seeds,
+                         **(stats.paired_t(diffs) if diffs else {"pairs": 0})})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
