@@ -137,6 +137,17 @@ MEASURE_JS = r"""
     const i = text.indexOf(tok);
     if (i >= 0) raw.push(JSON.stringify(text.slice(Math.max(0, i - 30), i + 50)));
   }
+  // Prose that a stray or missing $ pulled into an equation: five plain words in a row in one
+  // equation's TeX (outside \text{...}), which MathJax then sets as run-together italic letters.
+  const swallowed = [];
+  const items = window.MathJax && MathJax.startup && MathJax.startup.document && MathJax.startup.document.math;
+  for (const item of (items || [])) {
+    const tex = String(item.math || '');
+    let run = 0, best = 0;
+    for (const w of tex.replace(/\\(?:text|mathrm|operatorname|mbox|textrm|textbf|textit)\s*\{[^}]*\}/g, ' ').split(/\s+/))
+      best = Math.max(best, run = /^[A-Za-z][A-Za-z'\u2019]+[,.;:]?$/.test(w) ? run + 1 : 0);
+    if (best >= 5) swallowed.push(tex.replace(/\s+/g, ' ').slice(0, 90));
+  }
   const imgs = [...main.querySelectorAll('img')].map(i => ({
     src: i.getAttribute('src'), ok: i.complete && i.naturalWidth > 0,
     w: i.naturalWidth, h: i.naturalHeight, output: !!i.closest('.cell_output, figure, .figure')}));
@@ -148,7 +159,7 @@ MEASURE_JS = r"""
     mjx: main.querySelectorAll('mjx-container').length,
     mjx_display: main.querySelectorAll('mjx-container[display="true"]').length,
     output_math: main.querySelectorAll('.text_latex mjx-container').length,
-    unrendered, errors, raw, imgs,
+    unrendered, errors, raw, swallowed, imgs,
     font_errors: fonts.filter(f => f.status === 'error').map(f => f.family),
     fonts_loaded: fonts.filter(f => f.status === 'loaded').map(f => f.family),
     mathjax_src: [...document.scripts].map(s => s.src).filter(s => /mathjax|tex-/i.test(s)),
@@ -489,6 +500,9 @@ def check_page(browser: Browser, html: Path, page: str, shots: Path | None) -> t
         problems.append(f"{len(m['errors'])} MathJax error(s): {m['errors'][:3]}")
     if m["raw"]:
         problems.append(f"raw TeX visible in the text: {'; '.join(m['raw'][:3])}")
+    if m["swallowed"]:
+        problems.append(f"{len(m['swallowed'])} equation(s) holding a run of prose (a $ missing or misplaced, or "
+                        f"display math that needs a blank line before it), e.g. {m['swallowed'][0]!r}")
     if m["font_errors"]:
         problems.append(f"web fonts failed to load: {sorted(set(m['font_errors']))}")
     bad = [i["src"] for i in m["imgs"] if not i["ok"]]
