@@ -845,3 +845,92 @@ def test_the_real_and_null_picks_per_token_count_the_picks_by_column():
     picks = np.asarray(out.picks).reshape(-1, 6)
     assert float(out.metrics["real_picks"]) == pytest.approx(picks[:, :4].sum() / 30, rel=RTOL)
     assert float(out.metrics["null_picks"]) == pytest.approx(picks[:, 4:].sum() / 30, rel=RTOL)
+
+
+def test_a_routers_options_are_its_keyword_options_only():
+    """``RouterSpec.options`` holds what ``build`` takes beyond ``dim``, ``num_experts`` and
+    ``rngs``, and never a ``*args`` or ``**kwargs`` catch-all (kills routers/registry:136:59, which
+    let the three fixed arguments through)."""
+    from mini_moe import routers
+
+    for name, spec in routers.ROUTERS.items():
+        assert not {"dim", "num_experts", "rngs"} & set(spec.options), name
+
+    def build(dim, num_experts, *extra, k=1, rngs, **more):
+        raise AssertionError("not built")
+
+    assert routers.RouterSpec(build, "token").options == {"k": 1}
+
+
+def test_a_routers_solver_settings_default_to_its_affinitys():
+    """A solver setting (tolerance, iterations, entropy) that a router's factory hands straight
+    to its affinity has one default, the affinity's: two defaults that can drift apart would make
+    ``make_router(name)`` and the affinity built alone solve to different precisions (kills
+    routers/papers:173:85, the sparsity-constrained plan's ``tol``)."""
+    import inspect
+
+    from mini_moe import routers
+
+    checked = 0
+    for name in routers.general_routers():
+        affinity = routers.make_router(name, 8, 4, rngs=nnx.Rngs(0)).affinity
+        own = inspect.signature(type(affinity).__init__).parameters
+        for option, default in routers.ROUTERS[name].options.items():
+            if option in ("tol", "max_iters", "num_iters", "epsilon") and option in own:
+                assert default == own[option].default, (name, option)
+                checked += 1
+    assert checked >= 3  # the sparsity-constrained plan's two, and at least one Sinkhorn or SVMoE
+
+
+def test_the_null_aware_switch_loss_is_one_on_an_even_load():
+    """AdaMoE's loss is Switch's ``(E + Z) sum_i f_i P_i`` over the real and the (pooled) null
+    columns: 1 when the picks and the probabilities are spread evenly, as Switch's is (kills
+    losses:150:28, a mean over the columns instead of the sum)."""
+    e, z, t = 4, 2, 6
+    # every token's two picks, cycling over the 6 columns, with probabilities 0.3 on its picks and
+    # 0.1 elsewhere: each column picked by 2 of 6 tokens, and every column's mean probability 1/6
+    probs = np.full((t, e + z), 0.1, np.float32)
+    for i in range(t):
+        probs[i, [i, (i + 1) % t]] = 0.3
+    fraction = np.full(e + z, 2 / (2 * t))
+    mean_prob = probs.mean(0)
+    expected = (e + z) * np.sum(fraction * mean_prob)
+    assert expected == pytest.approx(1.0)
+    got = losses.null_aware_switch_loss(jnp.asarray(probs), k=2, null_experts=z)
+    assert float(got) == pytest.approx(expected, rel=RTOL)
+
+
+def test_serving_difference_counts_the_changed_predictions(monkeypatch):
+    """``changed_predictions`` is the number of images whose class changes with the serving batch
+    size, counted here from logits a stand-in forward pass makes depend on the batch size (kills
+    inference:373:48, the share instead of the count)."""
+    from types import SimpleNamespace
+
+    from mini_moe import evaluate, inference, modes
+
+    images = np.arange(10, dtype=np.float32)[:, None]
+
+    def forward_batches(model, chunk, *, batch_size, routing):
+        logits = np.zeros((len(chunk), 3), np.float32)
+        moved = (chunk[:, 0] % 3 == 0) & (batch_size != 400)  # images 0, 3, 6, 9 change class
+        logits[np.arange(len(chunk)), moved.astype(int)] = 1.0
+        yield SimpleNamespace(logits=logits, picks=[None]), len(chunk)
+
+    monkeypatch.setattr(evaluate, "forward_batches", forward_batches)
+    monkeypatch.setattr(modes, "group_images", lambda model: 1)
+    rows = inference.serving_difference(object(), images, batch_sizes=(1, 4))
+    assert [row["changed_predictions"] for row in rows] == [4, 4]
+    assert all(row["max_logit_difference"] == 1.0 for row in rows)
+
+
+def test_a_constant_null_expert_starts_halfway_between_the_token_and_its_vector():
+    """MoE++'s constant expert is ``a_1 x + a_2 v`` with ``[a_1, a_2] = softmax(x W_c)``, ``W_c
+    [D, 2]`` starting at zero: at initialisation ``a = (1/2, 1/2)`` whatever the token (kills
+    layer:361:70, a third column in ``W_c`` that makes the start a = 1/3)."""
+    dim = 5
+    nulls = layer.NullExperts(("zero", "constant"), dim, rngs=nnx.Rngs(0))
+    x = jnp.asarray(_rng(16).normal(size=(2, 3, dim)), jnp.float32)
+    gates = jnp.asarray(_rng(17).uniform(size=(2, 3, 2)), jnp.float32)
+    v = np.asarray(nulls.constant[...])[0]
+    expected = np.asarray(gates)[..., 1:] * (0.5 * np.asarray(x) + 0.5 * v)
+    np.testing.assert_allclose(np.asarray(nulls(x, gates)), expected, rtol=RTOL, atol=ATOL)
