@@ -40,7 +40,8 @@ trained model without training it again. Three steps, each a function:
    routers do not (the gate is the softmax probability itself), so under ``"kept"`` a pruned model
    changes every token's output a little, and under ``"full"`` it equals the original on every
    token that picked no removed expert, as long as no capacity cut moves (the buffers are
-   recomputed for the new E: ``C = round(c k T / E')``, larger than before).
+   recomputed for the new E: ``C = round(c T / E')`` with c the capacity factor, c = k by
+   default, :func:`mini_moe.routing.capacity`; larger than before).
 
 4. Merging instead replaces each group of experts by one (:func:`merge`), the groups chosen from
    the calibration (:data:`GROUPINGS`):
