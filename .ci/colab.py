@@ -37,6 +37,8 @@ ROLE = re.compile(r"\{(glue:text|glue:|glue|cite:p|cite:t|cite)\}`([^`]*)`")  # 
 class Latex(str):
     """A glued value whose output is LaTeX (``IPython.display.Math``): its TeX, without delimiters."""
 MATH_BLOCK = re.compile(r"```\{math\}[^\n]*\n(.*?)```", re.S)
+# An admonition (```{admonition} Title, ```{note}, ...): Colab shows it as a quoted block, title in bold.
+ADMONITION = re.compile(r"```\{(admonition|note|tip|important|warning|caution|seealso)\}([^\n]*)\n(.*?)```", re.S)
 
 
 def _plain(text: str):
@@ -104,7 +106,7 @@ def _glue_text(spec: str, values: dict) -> str:
 
 
 def render_markdown(text: str, values: dict, refs: dict) -> str:
-    """``text`` with glue and cite roles rendered and ``{math}`` blocks as ``$$``."""
+    """``text`` with glue and cite roles rendered, ``{math}`` blocks as ``$$`` and admonitions as quotes."""
     def role(match):
         kind, content = match.groups()
         if kind == "glue:text":
@@ -124,7 +126,16 @@ def render_markdown(text: str, values: dict, refs: dict) -> str:
 
     text = MATH_BLOCK.sub(lambda m: "$$\n" + "\n".join(line for line in m.group(1).strip().splitlines()
                                                        if not line.startswith(":")) + "\n$$", text)
+    text = ADMONITION.sub(_admonition, text)
     return ROLE.sub(role, text)
+
+
+def _admonition(match) -> str:
+    """An admonition block as a Markdown quote: its title (an admonition's own, else the kind) in
+    bold, then its body without the directive's ``:option:`` lines."""
+    kind, title, body = match.groups()
+    lines = [line for line in body.strip().splitlines() if not line.startswith(":")]
+    return "\n".join([f"> **{title.strip() or kind.capitalize()}**", ">"] + [f"> {line}".rstrip() for line in lines])
 
 
 def colab_notebook(executed, refs: dict, note: str, glue_data: dict | None = None):

@@ -35,6 +35,14 @@ def test_an_executed_notebook_becomes_a_colab_notebook():
     assert nb.cells[1].outputs  # the input notebook is not modified
 
 
+def test_an_admonition_becomes_a_quote_with_its_roles_rendered():
+    text = ("Before.\n\n```{admonition} What could be read\n:class: note\nOnly the abstracts, as "
+            "{cite:t}`liu2024routers` say.\nA second line.\n```\n\n```{note}\nUntitled.\n```\nAfter.")
+    out = colab.render_markdown(text, {}, colab.bibliography(ROOT / "references.bib"))
+    assert out == ("Before.\n\n> **What could be read**\n>\n> Only the abstracts, as Liu et al. (2024) say.\n"
+                   "> A second line.\n\n> **Note**\n>\n> Untitled.\nAfter.")
+
+
 def test_a_role_without_its_value_or_reference_is_an_error():
     refs = colab.bibliography(ROOT / "references.bib")
     with pytest.raises(KeyError, match="no value named 'x'"):
@@ -52,6 +60,8 @@ def test_every_role_of_every_chapter_renders(chapter):
               for key, fmt in re.findall(r"\{glue:text\}`([A-Za-z0-9_]+):?([^`]*)`", text)}
     rendered = colab.render_markdown(text, values, colab.bibliography(ROOT / "references.bib"))
     assert not re.search(r"\{(glue|cite)[:a-z]*\}`", rendered) and "{math}" not in rendered
+    # no directive but code cells (the Colab script reads Markdown cells only, as .ci/colab.py's main checks)
+    assert not re.search(r"```\{(?!code-cell)[a-z-]+\}", rendered), re.findall(r"```\{[a-z-]+\}[^\n]*", rendered)
 
 
 def test_values_come_from_myst_nbs_glue_file_too():
