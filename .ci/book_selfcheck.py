@@ -24,6 +24,8 @@ The book builds, but a reader would see something wrong (issue 63); `make browse
 - ``lone_value``: a cell whose last expression prints a bare number.
 - ``wide_output``: a text output whose lines are cut at its box.
 - ``missing_table``: the source displays a pipe table that never reaches the page as a ``<table>``.
+- ``swallowed_prose``: display math in a list item with no blank line before it, so that the
+  ``$$`` pair and the prose between become one run of italic letters (chapter 20's first build).
 
 Each broken book must fail with its own message, and nothing else may be wrong with it (each is the
 good book plus one breakage). Exit status 1 with what went wrong otherwise.
@@ -79,6 +81,10 @@ CASES = {
     "missing_table": ("```{code-cell} ipython3\n"
                       "display(Markdown('<!--\\n| hidden | table |\\n|---|---|\\n| 1 | 2 |\\n-->'))\n```\n",
                       ["nbval-book", "browser-check"], "but its source displays"),
+    "swallowed_prose": ("1. **A point** with a bound, and\n   $$\n   a \\le b.\n   $$\n"
+                        "   The part of the bound that belongs to the removed expert alone is here.\n"
+                        "   $$\n   c = d\n   $$\n   and the rest.\n",
+                        ["nbval-book", "browser-check"], "holding a run of prose"),
 }
 
 
