@@ -145,6 +145,7 @@ SUITE.update({
         "tests/test_null_experts.py::test_null_picks_take_no_slot_and_are_never_dropped",
         "tests/test_mutant_killers.py::test_token_choice_makes_no_pick_whose_score_equals_min_score",  # routers/allocations:128:75
         "tests/test_mutant_killers.py::test_the_dropless_bound_on_picks_is_the_bound_per_token_times_the_tokens",  # routers/allocations:94:62
+        "tests/test_mutant_killers.py::test_allocations_are_immutable_values",  # routers/allocations:170:30
     ],
     "routers/balancing": ROUTERS_CORE + [
         "tests/test_loss_free.py::test_bad_options_name_the_argument",
@@ -230,7 +231,8 @@ SUITE.update({
                                         "tests/test_routing.py::test_every_place_that_sizes_slots_uses_routing_capacity",
                                         # the null-expert metrics (routers/registry:84:54 survived without it)
                                         "tests/test_mutant_killers.py::test_the_real_and_null_picks_per_token_count_the_picks_by_column",
-                                        "tests/test_mutant_killers.py::test_a_routers_options_are_its_keyword_options_only"],  # :136:59
+                                        "tests/test_mutant_killers.py::test_a_routers_options_are_its_keyword_options_only",  # :136:59
+                                        "tests/test_mutant_killers.py::test_a_router_from_the_registry_learns_unless_asked_to_stay_frozen"],  # :195:89
     "inference": [
         "tests/test_inference.py",
         "tests/test_mutant_killers.py::test_serving_difference_counts_the_changed_predictions",  # inference:373:48

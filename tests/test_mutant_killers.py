@@ -934,3 +934,31 @@ def test_a_constant_null_expert_starts_halfway_between_the_token_and_its_vector(
     v = np.asarray(nulls.constant[...])[0]
     expected = np.asarray(gates)[..., 1:] * (0.5 * np.asarray(x) + 0.5 * v)
     np.testing.assert_allclose(np.asarray(nulls(x, gates)), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_a_router_from_the_registry_learns_unless_asked_to_stay_frozen():
+    """``make_router`` returns a router whose affinity holds trainable ``nnx.Param`` weights; only
+    ``frozen=True`` turns them into :class:`FrozenWeight` (kills routers/registry:195:89, a
+    default of ``frozen=True`` that would silently turn every router into the routing control)."""
+    from mini_moe import routers
+
+    for name in ("softmax_token_choice", "softmax_expert_choice", "soft_moe"):
+        learned = routers.make_router(name, 8, 4, rngs=nnx.Rngs(0))
+        frozen = routers.make_router(name, 8, 4, rngs=nnx.Rngs(0), frozen=True)
+        assert jax.tree_util.tree_leaves(nnx.state(learned.affinity, nnx.Param)), name
+        assert not jax.tree_util.tree_leaves(nnx.state(frozen.affinity, nnx.Param)), name
+
+
+def test_allocations_are_immutable_values():
+    """An allocation is configuration, compared and hashed by value (a jit cache key): every
+    allocation class refuses assignment after construction (kills routers/allocations:170:30,
+    Soft MoE's allocation made mutable)."""
+    import dataclasses
+
+    from mini_moe import routers
+
+    for name in ("softmax_token_choice", "softmax_expert_choice", "soft_moe"):
+        allocation = routers.make_router(name, 8, 4, rngs=nnx.Rngs(0)).allocation
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            allocation.capacity_factor = 3.0
+        assert hash(allocation) == hash(dataclasses.replace(allocation))
